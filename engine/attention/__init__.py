@@ -1,0 +1,1 @@
+"""Attention backends: the torch reference (CPU, and the oracle in tests); Triton on GPU later."""

@@ -1,0 +1,79 @@
+"""Paged attention in plain torch: the CPU path and the reference the Triton kernels are tested
+against. Correct for any mix of decodes, prefill chunks and prompts whose prefix is cached."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """Store this step's K/V ([T, Hkv, D]) into the pool ([blocks, block_size, Hkv, D])."""
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+    def forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool only."""
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta, scale)
+        for r in range(meta.num_decodes, meta.num_reqs):
+            start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
+            out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, r, scale)
+        return out
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        max_len = max(meta.seq_lens_list[:n])
+        num_blocks = -(-max_len // meta.block_size)
+        blocks = meta.block_tables[:n, :num_blocks]
+        # [n, L, Hkv, D] -> [n, Hkv, L, D]; the G query heads of a KV group form the query "length"
+        # axis, so GQA needs no K/V expansion.
+        keys = k_cache[blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        positions = torch.arange(keys.shape[2])
+        mask = (positions[None, :] < meta.seq_lens[:n, None]).view(n, 1, 1, -1)
+        qg = q.view(n, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        return out.reshape(n, num_heads, head_dim)
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, r: int, scale: float,
+    ) -> torch.Tensor:
+        q_len, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        group = num_heads // num_kv_heads
+        seq_len = meta.seq_lens_list[r]
+        num_blocks = -(-seq_len // meta.block_size)
+        blocks = meta.block_tables[r, :num_blocks]
+        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        # Query t sits at position seq_len - q_len + t and sees keys up to and including itself.
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        # [q_len, Hq, D] -> [Hkv, G * q_len, D] so GQA is a plain batched attention over KV heads.
+        qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(num_kv_heads, group * q_len, head_dim)
+        out = F.scaled_dot_product_attention(
+            qg, keys, values, attn_mask=mask.repeat(group, 1), scale=scale
+        )
+        out = out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        return out.reshape(q_len, num_heads, head_dim)

@@ -1,0 +1,39 @@
+"""Engine configuration: what the caller sets, before the model and memory are known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on a GPU
+    device: str = "auto"  # auto: cuda when present, else cpu
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact pool size; else from kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool; default below
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    profile_path: Path | None = None  # step profiler: one JSON line per step when set
+    num_threads: int | None = None  # torch CPU threads; None keeps torch's default
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -1,0 +1,256 @@
+"""EngineCore: the token-level engine. add_request / step / abort over scheduler, KV cache,
+runner and sampler; no text here (tokenizing and detokenizing live in LLMEngine)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.models.loader import load_model, resolve_device, resolve_dtype
+from engine.models.model_config import load_model_config
+from engine.profiler import StepProfiler, StepRecord
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class CoreOutput:
+    request: Request
+    num_new_tokens: int  # tokens appended to request.output_token_ids this step
+    finished: bool
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model_config = load_model_config(model_dir)
+        self.max_model_len = _resolve_max_model_len(config, model_config)
+        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            self.kv,
+        )
+        self.runner = ModelRunner(self.model, self.kv, self.num_blocks, config.block_size)
+        self.sampler = Sampler()
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._arrivals = itertools.count()
+        self._steps = itertools.count()
+        self.profiler = StepProfiler(config.profile_path) if config.profile_path else None
+        logger.info(
+            "engine: %s on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
+            model_dir, self.device, self.dtype, self.num_blocks, config.block_size,
+            self.max_model_len,
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        bytes_per_block = cfg.block_size * mc.kv_bytes_per_token * self.dtype.itemsize
+        budget = cfg.kv_cache_memory
+        if budget is None:
+            wanted = cfg.max_num_seqs * self.max_model_len // cfg.block_size * bytes_per_block
+            budget = min(_DEFAULT_CPU_KV_BYTES, wanted)
+        blocks = budget // bytes_per_block
+        if blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds no KV block ({bytes_per_block} bytes each)"
+            )
+        return int(blocks)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest request (prompt + output) that can ever be served."""
+        return min(self.max_model_len, self.num_blocks * self.config.block_size)
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+        arrival_time: float | None = None, priority: int = 0,
+    ) -> Request:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        max_tokens = self._check_prompt(prompt_token_ids, params)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            arrival_seq=next(self._arrivals),
+            priority=priority,
+            eos_token_ids=self.eos_token_ids,
+            generator=self._generator(params),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt is empty: at least one token is required")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
+                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        blocks = self.kv.blocks_needed(n + max_tokens)
+        if blocks > self.num_blocks:
+            raise InvalidRequestError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks but the "
+                f"whole pool has {self.num_blocks}; the longest request that fits has "
+                f"{self.max_request_tokens} tokens"
+            )
+        return max_tokens
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        if params.seed is None:
+            return self._rng
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        return [r for rid in request_ids if (r := self.finish(rid, RequestStatus.FINISHED_ABORTED))]
+
+    def finish(
+        self, request_id: str, status: RequestStatus, stop_reason: int | str | None = None
+    ) -> Request | None:
+        """End a request now (abort, or a stop string seen by the detokenizer); frees its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, status)
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        request.finish_time = time.time()
+        return request
+
+    def step(self) -> list[CoreOutput]:
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.time()
+        for s in sched.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        result = self.runner.execute(sched)
+        for request_id, (first, logits) in result.prompt_logits.items():
+            self._add_prompt_logprobs(self.requests[request_id], first, logits)
+        sampled = self._sample(result.sample_requests, result.logits)
+        finished = self.scheduler.update(sched, sampled)
+        outputs = self._outputs(sched, sampled, finished)
+        if self.profiler is not None:
+            self._profile(sched, result.num_context_tokens, time.perf_counter() - start)
+        return outputs
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
+        if not requests:
+            return {}
+        rows = [
+            SamplingRow(
+                params=r.params,
+                generator=r.generator,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                stop_token_ids=set(r.params.stop_token_ids)
+                | (set() if r.params.ignore_eos else set(r.eos_token_ids)),
+            )
+            for r in requests
+        ]
+        out = self.sampler(logits, rows)
+        now = time.time()
+        for request, logprobs in zip(requests, out.logprobs):
+            if logprobs is not None:
+                request.output_logprobs.append(logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = now
+        return {r.request_id: t for r, t in zip(requests, out.token_ids)}
+
+    def _add_prompt_logprobs(self, request: Request, first: int, logits: torch.Tensor) -> None:
+        k = request.params.prompt_logprobs or 0
+        if first == 0:
+            request.prompt_logprobs = [None]  # the first prompt token has no context
+        targets = request.prompt_token_ids[first + 1 : first + 1 + logits.shape[0]]
+        request.prompt_logprobs.extend(prompt_logprobs(logits, targets, k))
+
+    def _outputs(
+        self, sched: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+    ) -> list[CoreOutput]:
+        done = {r.request_id for r in finished}
+        now = time.time()
+        outputs = []
+        for s in sched.scheduled:
+            rid = s.request.request_id
+            if rid in sampled:
+                if rid in done:
+                    s.request.finish_time = now
+                    del self.requests[rid]
+                outputs.append(CoreOutput(s.request, 1, rid in done))
+        return outputs
+
+    def _profile(self, sched: SchedulerOutput, context_tokens: int, wall: float) -> None:
+        self.profiler.record(StepRecord(
+            step=next(self._steps),
+            time=time.time(),
+            wall_s=wall,
+            batch_size=len(sched.scheduled),
+            num_batched_tokens=sched.num_batched_tokens,
+            prefill_tokens=sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1),
+            decode_requests=sum(1 for s in sched.scheduled if s.num_tokens == 1),
+            context_tokens=context_tokens,
+            num_preempted=len(sched.preempted),
+            num_waiting=len(self.scheduler.waiting),
+        ))
+
+
+def _resolve_max_model_len(config: EngineConfig, model_config) -> int:
+    limit = model_config.max_position_embeddings
+    # Without sliding-window attention, full attention equals it only up to the window.
+    if model_config.sliding_window:
+        limit = min(limit, model_config.sliding_window)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
+        )
+    return config.max_model_len

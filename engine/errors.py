@@ -1,0 +1,14 @@
+"""Errors the engine raises for bad input. All are ValueError subclasses, so callers that only
+know ValueError still catch them, and the server maps them to HTTP 400."""
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as given (bad parameter, empty or too long prompt)."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter outside its valid range."""
+
+
+class ModelLoadError(ValueError):
+    """A model folder that is missing, malformed or of an unsupported architecture."""

@@ -1,0 +1,113 @@
+"""The offline API: LLM(...).generate(prompts, params) and .chat(conversations, params)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "default",
+        dtype: str = "auto",
+        device: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        profile_path: str | Path | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=str(model), dtype=dtype, device=device, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
+            profile_path=Path(profile_path) if profile_path else None, num_threads=num_threads,
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(
+            [self.engine.encode_prompt(p) for p in prompt_list], sampling_params, priority
+        )
+
+    def chat(
+        self,
+        conversations: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        return self._run([(None, self.engine.encode_chat(list(c))) for c in convs], sampling_params)
+
+    def _run(
+        self,
+        prompts: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(prompts))
+        ids: list[str] = []
+        try:
+            for i, ((text, token_ids), sp) in enumerate(zip(prompts, params)):
+                request_id = f"llm-{next(self._ids)}"
+                self.engine.add_request(request_id, token_ids, sp, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except ValueError:
+            for request_id in ids:  # all or nothing: the engine is left as it was
+                self.engine.abort(request_id)
+            raise
+        finals: dict[str, RequestOutput] = {}
+        while len(finals) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        results = [finals[i] for i in ids]
+        for (text, _), result in zip(prompts, results):
+            result.prompt = text
+        return results
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

@@ -1,0 +1,166 @@
+"""LLMEngine: text in, text out, step by step. Wraps EngineCore with tokenization, incremental
+detokenization, stop strings, and n > 1 fan-out (each sample is its own core request; they share
+the prompt's KV blocks through the prefix cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_core import EngineCore
+from engine.errors import InvalidRequestError
+from engine.model_fetch import resolve_model
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import load_tokenizer, render_chat
+
+
+@dataclass(slots=True)
+class _Sample:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Group:
+    """One caller request: its n samples and the prompt they share."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = resolve_model(config.model)
+        self.core = EngineCore(config, model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self._groups: dict[str, _Group] = {}
+        self._sample_to_group: dict[str, str] = {}
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass prompts as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("a prompt must be a string or a list of token ids")
+        return None, list(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer, so no chat template")
+        return render_chat(self.tokenizer, messages)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        arrival_time: float | None = None, priority: int = 0,
+    ) -> None:
+        if request_id in self._groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        text, token_ids = self.encode_prompt(prompt)
+        group = _Group(request_id, text, token_ids)
+        sample_params = [params] if params.n == 1 else [params.clone_for_sample(i) for i in range(params.n)]
+        try:
+            for i, sp in enumerate(sample_params):
+                sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
+                req = self.core.add_request(sample_id, token_ids, sp, arrival_time, priority)
+                detok = (
+                    IncrementalDetokenizer(self.tokenizer, token_ids, sp) if self.tokenizer else None
+                )
+                group.samples.append(_Sample(req, detok))
+                self._sample_to_group[sample_id] = request_id
+        except ValueError:
+            self._drop(group)
+            raise
+        self._groups[request_id] = group
+
+    def _drop(self, group: _Group) -> None:
+        ids = [s.request.request_id for s in group.samples]
+        self.core.abort(ids)
+        for sid in ids:
+            self._sample_to_group.pop(sid, None)
+
+    def abort(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            self._drop(group)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def step(self) -> list[RequestOutput]:
+        changed: dict[str, _Group] = {}
+        for out in self.core.step():
+            group_id = self._sample_to_group[out.request.request_id]
+            group = self._groups[group_id]
+            sample = next(s for s in group.samples if s.request is out.request)
+            self._advance(sample, out.num_new_tokens, out.finished)
+            changed[group_id] = group
+        outputs = []
+        for group_id, group in changed.items():
+            outputs.append(self._output(group))
+            if group.finished:
+                del self._groups[group_id]
+                for s in group.samples:
+                    self._sample_to_group.pop(s.request.request_id, None)
+        return outputs
+
+    def _advance(self, sample: _Sample, num_new: int, finished: bool) -> None:
+        request = sample.request
+        if sample.detokenizer is not None and num_new:
+            stop = sample.detokenizer.update(request.output_token_ids[-num_new:])
+            if stop is not None and not finished:
+                self.core.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                finished = True
+            elif stop is not None:
+                request.stop_reason = stop
+                request.status = RequestStatus.FINISHED_STOPPED
+        if finished:
+            sample.finish_reason = request.status.value
+
+    def _output(self, group: _Group) -> RequestOutput:
+        first = group.samples[0].request
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=s.detokenizer.output_text if s.detokenizer else "",
+                token_ids=list(s.request.output_token_ids),
+                logprobs=list(s.request.output_logprobs)
+                if s.request.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.request.stop_reason,
+            )
+            for i, s in enumerate(group.samples)
+        ]
+        finish_times = [s.request.finish_time for s in group.samples]
+        metrics = RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min(
+                (s.request.first_token_time for s in group.samples if s.request.first_token_time),
+                default=None,
+            ),
+            finish_time=max(finish_times) if group.finished and all(finish_times) else None,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+        )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            metrics=metrics,
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None
+            else None,
+        )

@@ -1,0 +1,147 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+
+The forward takes all of a step's tokens as one sequence [T] (no padding); attention is the only
+place where requests are told apart, through AttentionMetadata. Projections are fused (q|k|v and
+gate|up) so that each layer runs four large matmuls instead of seven.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.errors import ModelLoadError
+from engine.models.model_config import ModelConfig
+from engine.models.rotary import apply_rotary, cos_sin_cache
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operation order as HF (normalize in float32, then scale) so fp32 results agree exactly.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class LlamaModel:
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+        backend: TorchAttentionBackend | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend or TorchAttentionBackend()
+        self.scale = config.head_dim**-0.5
+        self.embed = _take(weights, "model.embed_tokens.weight")
+        self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
+        self.norm = _take(weights, "model.norm.weight")
+        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = _take(weights, "lm_head.weight")
+        self.cos_sin = cos_sin_cache(config.rope, config.head_dim, max_positions)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([_take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        bias = None
+        if self.config.qkv_bias:
+            bias = torch.cat([_take(w, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        return LayerWeights(
+            input_norm=_take(w, p + "input_layernorm.weight"),
+            qkv=qkv,
+            qkv_bias=bias,
+            q_norm=_take(w, p + "self_attn.q_norm.weight") if self.config.qk_norm else None,
+            k_norm=_take(w, p + "self_attn.k_norm.weight") if self.config.qk_norm else None,
+            o_proj=_take(w, p + "self_attn.o_proj.weight"),
+            post_norm=_take(w, p + "post_attention_layernorm.weight"),
+            gate_up=torch.cat([_take(w, p + "mlp.gate_proj.weight"), _take(w, p + "mlp.up_proj.weight")]),
+            down=_take(w, p + "mlp.down_proj.weight"),
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        cfg = self.config
+        cos_sin = self.cos_sin[positions]
+        half = cfg.head_dim // 2
+        cos, sin = cos_sin[:, None, :half].to(self.dtype), cos_sin[:, None, half:].to(self.dtype)
+        hidden = F.embedding(input_ids, self.embed)
+        residual = hidden
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                hidden = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                hidden, residual = _add_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
+            hidden = self._attention(hidden, layer, cos, sin, kv_caches[i], meta)
+            hidden, residual = _add_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(hidden, layer.gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.linear(F.silu(gate) * up, layer.down)
+        hidden, _ = _add_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+        return hidden
+
+    def _attention(
+        self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.config
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        return F.linear(out.view(num_tokens, self.q_size), layer.o_proj)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _add_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def _take(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in weights:
+        raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+    return weights[name]

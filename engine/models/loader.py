@@ -1,0 +1,66 @@
+"""From a model folder to a ready LlamaModel on a device, in the requested dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.models.llama import LlamaModel
+from engine.models.model_config import ModelConfig, load_model_config
+from engine.models.weights import load_weights
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}") from e
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    # fp32 on CPU: this class of CPU has no native bf16 and runs it several times slower.
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+) -> LlamaModel:
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model path {model_dir} is not a directory")
+    config = load_model_config(model_dir)
+    weights = load_weights(model_dir, dtype)
+    _check_shapes(config, weights)
+    weights = {name: t.to(device) for name, t in weights.items()}
+    return LlamaModel(config, weights, max_positions)
+
+
+def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    expected = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.layers.0.self_attn.q_proj.weight": (
+            config.num_heads * config.head_dim, config.hidden_size),
+        "model.layers.0.self_attn.k_proj.weight": (
+            config.num_kv_heads * config.head_dim, config.hidden_size),
+        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
+    }
+    for name, shape in expected.items():
+        if name not in weights:
+            raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
+        if tuple(weights[name].shape) != shape:
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(weights[name].shape)}, config implies {shape}"
+            )

@@ -1,0 +1,35 @@
+"""Step profiler: one JSON line per engine step, the input the capacity planner calibrates from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step: int
+    time: float  # wall clock at the end of the step (unix seconds)
+    wall_s: float  # step duration: schedule + forward + sample + update
+    batch_size: int  # requests in the forward
+    num_batched_tokens: int
+    prefill_tokens: int  # tokens of chunks longer than one (prompts, recomputes)
+    decode_requests: int  # requests computing exactly one token
+    context_tokens: int  # sum of context lengths attended
+    num_preempted: int
+    num_waiting: int
+
+
+class StepProfiler:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def record(self, record: StepRecord) -> None:
+        self._file.write(json.dumps(asdict(record)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
