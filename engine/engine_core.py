@@ -163,6 +163,7 @@ class EngineCore:
         request.finish_time = time.time()
         return request
 
+    @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
         start = time.perf_counter()
         sched = self.scheduler.schedule()

@@ -41,7 +41,6 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Decodes (one query token) first: the attention backend batches them in one call.
         items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)

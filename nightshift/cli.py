@@ -1,0 +1,110 @@
+"""The `nightshift` command. Each area registers a sub-app (`model`, later `bench`, ...) or a
+top-level command (later `generate`, `serve`) on `app`; commands import their implementation
+lazily so that `nightshift --help` stays fast."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(name="nightshift", no_args_is_help=True, help="Self-hosted LLM inference.")
+
+
+@app.callback()
+def main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress.")] = False,
+) -> None:
+    # Progress goes to stderr, so stdout carries only a command's result (e.g. a path). Only our
+    # own packages log at INFO; third-party libraries stay at WARNING.
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    for name in ("engine", "nightshift", "digest", "workload", "capacity"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+model_app = typer.Typer(no_args_is_help=True, help="Fetch and manage model weights.")
+app.add_typer(model_app, name="model")
+
+
+@model_app.command("fetch")
+def model_fetch(
+    force: Annotated[bool, typer.Option("--force", help="Convert again even if cached.")] = False,
+) -> None:
+    """Fetch the default model (SmolLM2-135M-Instruct) and print its folder."""
+    from engine.model_fetch import fetch_default_model
+
+    typer.echo(fetch_default_model(force=force))
+
+
+@app.command("generate")
+def generate(
+    prompt: Annotated[
+        str, typer.Argument(help="The user message (chat) or raw prompt (--raw).")
+    ] = "Give three tips for running a reliable nightly batch job.",
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, no chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Per-request seed.")] = None,
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
+) -> None:
+    """Generate one answer with the engine and print it (the main job until the digest lands)."""
+    import time
+
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, device=device)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens
+    )
+    start = time.perf_counter()
+    if raw:
+        result = llm.generate([prompt], params)[0]
+    else:
+        result = llm.chat([{"role": "user", "content": prompt}], params)[0]
+    elapsed = time.perf_counter() - start
+    out = result.outputs[0]
+    typer.echo(out.text)
+    logging.getLogger("nightshift").info(
+        "%d prompt + %d output tokens in %.2f s (finish: %s)",
+        len(result.prompt_token_ids), len(out.token_ids), elapsed, out.finish_reason,
+    )
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    num_prompts: Annotated[int, typer.Option(help="Requests in the mixed workload.")] = 64,
+    max_batch: Annotated[int, typer.Option(help="Engine max_num_seqs = HF static batch size.")] = 32,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine token budget per step.")] = 2048,
+    input_min: Annotated[int, typer.Option()] = 200,
+    input_max: Annotated[int, typer.Option()] = 700,
+    output_min: Annotated[int, typer.Option()] = 64,
+    output_max: Annotated[int, typer.Option()] = 256,
+    threads: Annotated[int | None, typer.Option(help="torch threads for both sides.")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    skip_hf: Annotated[bool, typer.Option("--skip-hf", help="Engine only.")] = False,
+    skip_batch1: Annotated[bool, typer.Option("--skip-batch1", help="No batch-1 case.")] = False,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Engine vs HF transformers generate on a mixed workload and at batch 1, one run."""
+    from engine.bench import BenchConfig, run_bench
+
+    config = BenchConfig(
+        model=model, num_prompts=num_prompts, max_batch=max_batch,
+        max_num_batched_tokens=max_num_batched_tokens, input_range=(input_min, input_max),
+        output_range=(output_min, output_max), threads=threads, seed=seed, skip_hf=skip_hf,
+        skip_batch1=skip_batch1, json_out=json_out,
+    )
+    run_bench(config, echo=typer.echo)
+
+
+if __name__ == "__main__":
+    app()
