@@ -81,10 +81,16 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         finals: dict[str, RequestOutput] = {}
-        while len(finals) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
+        try:
+            while len(finals) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            # A failed step must not leave its requests holding blocks for every later call.
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         results = [finals[i] for i in ids]
         for (text, _), result in zip(prompts, results):
             result.prompt = text

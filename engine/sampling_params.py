@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
+
+# torch generators take 64-bit seeds; n > 1 samples use seed + index, so keep room for the index.
+_MAX_SAMPLES = 1 << 16
+_MAX_SEED = (1 << 63) - _MAX_SAMPLES
 
 
 @dataclass(slots=True)
@@ -43,24 +48,29 @@ class SamplingParams:
         def bad(name: str, value: object, rule: str) -> InvalidSamplingParamsError:
             return InvalidSamplingParamsError(f"{name} must be {rule}, got {value!r}")
 
-        if self.n < 1:
-            raise bad("n", self.n, ">= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", self.temperature, ">= 0")
+        # Written as "not (valid)" so that NaN, for which every comparison is False, is rejected.
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", self.temperature, ">= 0 and finite")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
-        if self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise bad("top_k", self.top_k, "-1 (disabled), 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", self.repetition_penalty, "> 0 and finite")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, ">= 1")
+        if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
+            raise bad("seed", self.seed, f"in [0, 2**63 - {_MAX_SAMPLES})")
+        if self.n > _MAX_SAMPLES:
+            raise bad("n", self.n, f"<= {_MAX_SAMPLES}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

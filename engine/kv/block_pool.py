@@ -80,6 +80,10 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached.setdefault(block_hash, block)
 
+    def unregister(self, block: KVBlock) -> None:
+        """Forget a block's hash: its content is not what the hash says (never computed)."""
+        self._evict(block)
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

@@ -89,6 +89,11 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
+        # Blocks registered for a chunk that was never computed (a request preempted after being
+        # scheduled in the same step) must not stay findable: their K/V was never written.
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.ref_cnt == 1:
+                self.pool.unregister(block)
         self.pool.free(reversed(blocks))
 
     def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
