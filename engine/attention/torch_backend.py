@@ -43,11 +43,12 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         max_len = max(meta.seq_lens_list[:n])
         num_blocks = -(-max_len // meta.block_size)
-        blocks = meta.block_tables[:n, :num_blocks]
+        blocks = meta.block_tables[:n, :num_blocks].reshape(-1)
         # [n, L, Hkv, D] -> [n, Hkv, L, D]; the G query heads of a KV group form the query "length"
-        # axis, so GQA needs no K/V expansion.
-        keys = k_cache[blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[blocks].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # axis, so GQA needs no K/V expansion. index_select copies whole blocks (block_size * Hkv *
+        # D contiguous elements each): several times faster than advanced indexing here.
+        keys = k_cache.index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_cache.index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         positions = torch.arange(keys.shape[2])
         mask = (positions[None, :] < meta.seq_lens[:n, None]).view(n, 1, 1, -1)
         qg = q.view(n, num_kv_heads, group, head_dim)
@@ -58,22 +59,21 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, r: int, scale: float,
     ) -> torch.Tensor:
-        q_len, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
+        q_len = q.shape[0]
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         seq_len = meta.seq_lens_list[r]
         num_blocks = -(-seq_len // meta.block_size)
         blocks = meta.block_tables[r, :num_blocks]
-        keys = k_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        values = v_cache[blocks].view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
+        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         # Query t sits at position seq_len - q_len + t and sees keys up to and including itself.
         q_pos = torch.arange(seq_len - q_len, seq_len)
         mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-        # [q_len, Hq, D] -> [Hkv, G * q_len, D] so GQA is a plain batched attention over KV heads.
-        qg = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        qg = qg.reshape(num_kv_heads, group * q_len, head_dim)
+        # 4-D inputs: torch's CPU flash kernel takes them (3-D ones fall back to the unfused math
+        # path, 3x slower here); enable_gqa lets each KV head serve its group of query heads.
         out = F.scaled_dot_product_attention(
-            qg, keys, values, attn_mask=mask.repeat(group, 1), scale=scale
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask[None, None],
+            scale=scale, enable_gqa=True,
         )
-        out = out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-        return out.reshape(q_len, num_heads, head_dim)
+        return out[0].transpose(0, 1)

@@ -2,7 +2,8 @@
 
 The forward takes all of a step's tokens as one sequence [T] (no padding); attention is the only
 place where requests are told apart, through AttentionMetadata. Projections are fused (q|k|v and
-gate|up) so that each layer runs four large matmuls instead of seven.
+gate|up) so that each layer runs four large matmuls instead of seven (engine/models/linear.py
+picks the fastest kernel for them).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.errors import ModelLoadError
+from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
 from engine.models.rotary import apply_rotary, cos_sin_cache
 
@@ -62,6 +64,7 @@ class LlamaModel:
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         qkv = torch.cat([_take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        gate_up = torch.cat([_take(w, p + "mlp.gate_proj.weight"), _take(w, p + "mlp.up_proj.weight")])
         bias = None
         if self.config.qkv_bias:
             bias = torch.cat([_take(w, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -73,7 +76,7 @@ class LlamaModel:
             k_norm=_take(w, p + "self_attn.k_norm.weight") if self.config.qk_norm else None,
             o_proj=_take(w, p + "self_attn.o_proj.weight"),
             post_norm=_take(w, p + "post_attention_layernorm.weight"),
-            gate_up=torch.cat([_take(w, p + "mlp.gate_proj.weight"), _take(w, p + "mlp.up_proj.weight")]),
+            gate_up=gate_up,
             down=_take(w, p + "mlp.down_proj.weight"),
         )
 
@@ -103,9 +106,8 @@ class LlamaModel:
                 hidden, residual = _add_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
             hidden = self._attention(hidden, layer, cos, sin, kv_caches[i], meta)
             hidden, residual = _add_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(hidden, layer.gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(hidden, layer.gate_up).chunk(2, dim=-1)
+            hidden = linear(F.silu(gate).mul_(up), layer.down)
         hidden, _ = _add_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         return hidden
 
@@ -115,7 +117,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None:
             q = rms_norm(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
@@ -132,10 +134,10 @@ class LlamaModel:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
         out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return F.linear(out.view(num_tokens, self.q_size), layer.o_proj)
+        return linear(out.view(num_tokens, self.q_size), layer.o_proj)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
 
 def _add_norm(
