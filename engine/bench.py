@@ -1,4 +1,4 @@
-"""`nightshift bench engine`: the engine against HF transformers `generate`, side by side in one run.
+"""`nightshift bench engine`: the engine against HF transformers `generate`, side by side.
 
 Mixed workload: prompts with lengths drawn uniformly from the input range, outputs from the output
 range with ignore_eos, all submitted at once (offline throughput). The engine batches continuously;
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
 
 
@@ -60,16 +61,18 @@ class SideResult:
 
 # ---- the machine ---------------------------------------------------------------------------
 
+
 def measure_matmul_rate(shapes: list[tuple[int, int, int]], repeats: int = 5) -> dict[str, float]:
-    """fp32 GFLOP/s of F.linear for each (m, k, n), median of repeats."""
+    """fp32 GFLOP/s for each (m, k, n), median of repeats, with the fastest matmul kernel this
+    torch has on the CPU (the one the engine uses: engine/models/linear.py)."""
     rates = {}
     for m, k, n in shapes:
         a, w = torch.randn(m, k), torch.randn(n, k)
-        torch.nn.functional.linear(a, w)
+        linear(a, w)
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            torch.nn.functional.linear(a, w)
+            linear(a, w)
             times.append(time.perf_counter() - start)
         rates[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
     return rates
@@ -90,6 +93,7 @@ def measure_copy_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> floa
 
 
 # ---- counting ------------------------------------------------------------------------------
+
 
 def linear_params(cfg: ModelConfig) -> int:
     """Parameters of the per-token matmuls (embedding lookup and the output projection excluded)."""
@@ -118,6 +122,7 @@ def decode_step_bytes(cfg: ModelConfig, context: int, itemsize: int = 4) -> int:
 
 # ---- workload ------------------------------------------------------------------------------
 
+
 def make_workload(cfg: BenchConfig, vocab_size: int, n: int | None = None) -> Workload:
     rng = random.Random(cfg.seed)
     n = cfg.num_prompts if n is None else n
@@ -133,19 +138,22 @@ def make_workload(cfg: BenchConfig, vocab_size: int, n: int | None = None) -> Wo
 
 # ---- the two sides -------------------------------------------------------------------------
 
+
 def run_engine(llm, workload: Workload) -> SideResult:
     from engine import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in workload.output_lens]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.output_lens
+    ]
     start = time.perf_counter()
     results = llm.generate(workload.prompts, params)
     wall = time.perf_counter() - start
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert tokens == sum(workload.output_lens), "engine produced a different number of tokens"
     ttfts = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
-    return SideResult("engine", wall, tokens, tokens / wall,
-                      {"median_ttft_s": statistics.median(ttfts)})
+    return SideResult(
+        "engine", wall, tokens, tokens / wall, {"median_ttft_s": statistics.median(ttfts)}
+    )
 
 
 @torch.inference_mode()
@@ -161,8 +169,13 @@ def run_hf(model, workload: Workload, max_batch: int) -> SideResult:
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         longest = max(outs)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
-                             min_new_tokens=longest, do_sample=False)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=False,
+        )
         assert out.shape[1] == width + longest
         tokens += sum(outs)  # only the tokens each request asked for count
     wall = time.perf_counter() - start
@@ -178,9 +191,13 @@ def _batch1_engine(llm, prompt: list[int], n: int) -> SideResult:
     wall = time.perf_counter() - start
     m = result.metrics
     decode_s = m.finish_time - m.first_token_time
-    return SideResult("engine", wall, n, n / wall,
-                      {"decode_tokens_per_s": (n - 1) / decode_s,
-                       "ttft_s": m.first_token_time - m.arrival_time})
+    return SideResult(
+        "engine",
+        wall,
+        n,
+        n / wall,
+        {"decode_tokens_per_s": (n - 1) / decode_s, "ttft_s": m.first_token_time - m.arrival_time},
+    )
 
 
 @torch.inference_mode()
@@ -193,11 +210,17 @@ def _batch1_hf(model, prompt: list[int], n: int) -> SideResult:
     start = time.perf_counter()
     model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
     wall = time.perf_counter() - start
-    return SideResult("hf", wall, n, n / wall,
-                      {"decode_tokens_per_s": (n - 1) / (wall - prefill), "ttft_s": prefill})
+    return SideResult(
+        "hf",
+        wall,
+        n,
+        n / wall,
+        {"decode_tokens_per_s": (n - 1) / (wall - prefill), "ttft_s": prefill},
+    )
 
 
 # ---- the run -------------------------------------------------------------------------------
+
 
 def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     from engine import LLM
@@ -207,21 +230,30 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model(cfg.model)
-    llm = LLM(model=str(model_dir), dtype="float32", device="cpu",
-              max_num_seqs=cfg.max_batch, max_num_batched_tokens=cfg.max_num_batched_tokens,
-              max_model_len=cfg.input_range[1] + cfg.output_range[1] + 16, seed=cfg.seed)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=cfg.max_batch,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.input_range[1] + cfg.output_range[1] + 16,
+        seed=cfg.seed,
+    )
     mcfg = llm.engine.core.model.config
     hf = None
     if not cfg.skip_hf:
         import transformers
 
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).eval()
+            model_dir, dtype=torch.float32
+        ).eval()
 
     machine = _machine(mcfg, cfg)
-    echo(f"machine: {machine['cpu']}, {machine['threads']} threads; "
-         f"fp32 matmul {machine['matmul_gflops']:.1f} GFLOP/s (best of {machine['matmul_shapes']}), "
-         f"copy {machine['copy_gbps']:.1f} GB/s")
+    echo(
+        f"machine: {machine['cpu']}, {machine['threads']} threads; "
+        f"fp32 matmul {machine['matmul_gflops']:.1f} GFLOP/s (best of {machine['matmul_shapes']}), "
+        f"copy {machine['copy_gbps']:.1f} GB/s"
+    )
     report: dict = {"config": asdict(cfg), "machine": machine}
 
     # Warm both sides (allocator, thread pools) on a small slice of the same workload.
@@ -232,24 +264,33 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         run_hf(hf, warm, cfg.max_batch)
 
     workload = make_workload(cfg, mcfg.vocab_size)
-    flops = sum(workload_flops(mcfg, len(p), o)
-                for p, o in zip(workload.prompts, workload.output_lens))
+    flops = sum(
+        workload_flops(mcfg, len(p), o) for p, o in zip(workload.prompts, workload.output_lens)
+    )
     engine_res = run_engine(llm, workload)
-    mixed = {"engine": asdict(engine_res), "workload_gflop": flops / 1e9,
-             "engine_gflops": flops / engine_res.wall_s / 1e9,
-             "engine_flop_roofline_fraction": flops / engine_res.wall_s / 1e9
-             / machine["matmul_gflops"]}
-    echo(f"\nmixed workload: {cfg.num_prompts} requests, inputs {cfg.input_range}, outputs "
-         f"{cfg.output_range}, batch {cfg.max_batch}, {flops / 1e9:.0f} GFLOP")
-    echo(f"  engine: {engine_res.output_tokens} tokens in {engine_res.wall_s:.1f} s = "
-         f"{engine_res.tokens_per_s:.1f} tok/s, {mixed['engine_gflops']:.1f} GFLOP/s = "
-         f"{100 * mixed['engine_flop_roofline_fraction']:.0f}% of the fp32 matmul rate")
+    mixed = {
+        "engine": asdict(engine_res),
+        "workload_gflop": flops / 1e9,
+        "engine_gflops": flops / engine_res.wall_s / 1e9,
+        "engine_flop_roofline_fraction": flops / engine_res.wall_s / 1e9 / machine["matmul_gflops"],
+    }
+    echo(
+        f"\nmixed workload: {cfg.num_prompts} requests, inputs {cfg.input_range}, outputs "
+        f"{cfg.output_range}, batch {cfg.max_batch}, {flops / 1e9:.0f} GFLOP"
+    )
+    echo(
+        f"  engine: {engine_res.output_tokens} tokens in {engine_res.wall_s:.1f} s = "
+        f"{engine_res.tokens_per_s:.1f} tok/s, {mixed['engine_gflops']:.1f} GFLOP/s = "
+        f"{100 * mixed['engine_flop_roofline_fraction']:.0f}% of the fp32 matmul rate"
+    )
     if hf is not None:
         hf_res = run_hf(hf, workload, cfg.max_batch)
         mixed["hf"] = asdict(hf_res)
         mixed["speedup"] = engine_res.tokens_per_s / hf_res.tokens_per_s
-        echo(f"  hf:     {hf_res.output_tokens} tokens in {hf_res.wall_s:.1f} s = "
-             f"{hf_res.tokens_per_s:.1f} tok/s")
+        echo(
+            f"  hf:     {hf_res.output_tokens} tokens in {hf_res.wall_s:.1f} s = "
+            f"{hf_res.tokens_per_s:.1f} tok/s"
+        )
         echo(f"  engine / hf = {mixed['speedup']:.2f}x")
     report["mixed"] = mixed
 
@@ -262,8 +303,9 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     return report
 
 
-def _run_batch1(llm, hf, mcfg: ModelConfig, cfg: BenchConfig, machine: dict,
-                echo: Callable[[str], None]) -> dict:
+def _run_batch1(
+    llm, hf, mcfg: ModelConfig, cfg: BenchConfig, machine: dict, echo: Callable[[str], None]
+) -> dict:
     rng = random.Random(cfg.seed + 1)
     prompt = [rng.randrange(256, mcfg.vocab_size) for _ in range(cfg.batch1_prompt)]
     n = cfg.batch1_output
@@ -271,20 +313,29 @@ def _run_batch1(llm, hf, mcfg: ModelConfig, cfg: BenchConfig, machine: dict,
     roofline_tps = machine["copy_gbps"] * 1e9 / step_bytes
     engine_res = _batch1_engine(llm, prompt, n)
     eng_decode = engine_res.extra["decode_tokens_per_s"]
-    out = {"engine": asdict(engine_res), "step_bytes": step_bytes,
-           "roofline_decode_tokens_per_s": roofline_tps,
-           "engine_bandwidth_roofline_fraction": eng_decode / roofline_tps}
-    echo(f"\nbatch 1: {cfg.batch1_prompt}-token prompt, {n} output tokens; a decode step reads "
-         f"{step_bytes / 1e6:.0f} MB -> roofline {roofline_tps:.1f} tok/s")
-    echo(f"  engine: {engine_res.tokens_per_s:.1f} tok/s overall, decode {eng_decode:.1f} tok/s = "
-         f"{100 * out['engine_bandwidth_roofline_fraction']:.0f}% of the bandwidth roofline")
+    out = {
+        "engine": asdict(engine_res),
+        "step_bytes": step_bytes,
+        "roofline_decode_tokens_per_s": roofline_tps,
+        "engine_bandwidth_roofline_fraction": eng_decode / roofline_tps,
+    }
+    echo(
+        f"\nbatch 1: {cfg.batch1_prompt}-token prompt, {n} output tokens; a decode step reads "
+        f"{step_bytes / 1e6:.0f} MB -> roofline {roofline_tps:.1f} tok/s"
+    )
+    echo(
+        f"  engine: {engine_res.tokens_per_s:.1f} tok/s overall, decode {eng_decode:.1f} tok/s = "
+        f"{100 * out['engine_bandwidth_roofline_fraction']:.0f}% of the bandwidth roofline"
+    )
     if hf is not None:
         hf_res = _batch1_hf(hf, prompt, n)
         out["hf"] = asdict(hf_res)
         out["speedup"] = engine_res.tokens_per_s / hf_res.tokens_per_s
         out["decode_speedup"] = eng_decode / hf_res.extra["decode_tokens_per_s"]
-        echo(f"  hf:     {hf_res.tokens_per_s:.1f} tok/s overall, decode "
-             f"{hf_res.extra['decode_tokens_per_s']:.1f} tok/s")
+        echo(
+            f"  hf:     {hf_res.tokens_per_s:.1f} tok/s overall, decode "
+            f"{hf_res.extra['decode_tokens_per_s']:.1f} tok/s"
+        )
         echo(f"  engine / hf = {out['speedup']:.2f}x overall, {out['decode_speedup']:.2f}x decode")
     return out
 
@@ -292,8 +343,10 @@ def _run_batch1(llm, hf, mcfg: ModelConfig, cfg: BenchConfig, machine: dict,
 def _machine(mcfg: ModelConfig, cfg: BenchConfig) -> dict:
     # The denominator is the best of a large square matmul and the model's own largest matmul at
     # the engine's token budget, so the fraction is not flattered by a slow reference shape.
-    shapes = [(2048, 2048, 2048),
-              (cfg.max_num_batched_tokens, mcfg.hidden_size, 2 * mcfg.intermediate_size)]
+    shapes = [
+        (2048, 2048, 2048),
+        (cfg.max_num_batched_tokens, mcfg.hidden_size, 2 * mcfg.intermediate_size),
+    ]
     rates = measure_matmul_rate(shapes)
     return {
         "cpu": platform.processor() or platform.machine(),

@@ -62,7 +62,11 @@ class EngineCore:
         self.profiler = StepProfiler(config.profile_path) if config.profile_path else None
         logger.info(
             "engine: %s on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
-            model_dir, self.device, self.dtype, self.num_blocks, config.block_size,
+            model_dir,
+            self.device,
+            self.dtype,
+            self.num_blocks,
+            config.block_size,
             self.max_model_len,
         )
 
@@ -78,7 +82,8 @@ class EngineCore:
         blocks = budget // bytes_per_block
         if blocks < 1:
             raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds no KV block ({bytes_per_block} bytes each)"
+                f"kv_cache_memory of {budget} bytes holds no KV block "
+                f"({bytes_per_block} bytes each)"
             )
         return int(blocks)
 
@@ -88,8 +93,12 @@ class EngineCore:
         return min(self.max_model_len, self.num_blocks * self.config.block_size)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-        arrival_time: float | None = None, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -116,7 +125,9 @@ class EngineCore:
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
@@ -229,18 +240,20 @@ class EngineCore:
         return outputs
 
     def _profile(self, sched: SchedulerOutput, context_tokens: int, wall: float) -> None:
-        self.profiler.record(StepRecord(
-            step=next(self._steps),
-            time=time.time(),
-            wall_s=wall,
-            batch_size=len(sched.scheduled),
-            num_batched_tokens=sched.num_batched_tokens,
-            prefill_tokens=sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1),
-            decode_requests=sum(1 for s in sched.scheduled if s.num_tokens == 1),
-            context_tokens=context_tokens,
-            num_preempted=len(sched.preempted),
-            num_waiting=len(self.scheduler.waiting),
-        ))
+        self.profiler.record(
+            StepRecord(
+                step=next(self._steps),
+                time=time.time(),
+                wall_s=wall,
+                batch_size=len(sched.scheduled),
+                num_batched_tokens=sched.num_batched_tokens,
+                prefill_tokens=sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1),
+                decode_requests=sum(1 for s in sched.scheduled if s.num_tokens == 1),
+                context_tokens=context_tokens,
+                num_preempted=len(sched.preempted),
+                num_waiting=len(self.scheduler.waiting),
+            )
+        )
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config) -> int:

@@ -32,11 +32,19 @@ class LLM:
         num_threads: int | None = None,
     ) -> None:
         config = EngineConfig(
-            model=str(model), dtype=dtype, device=device, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, seed=seed,
-            profile_path=Path(profile_path) if profile_path else None, num_threads=num_threads,
+            model=str(model),
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            profile_path=Path(profile_path) if profile_path else None,
+            num_threads=num_threads,
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
@@ -60,7 +68,11 @@ class LLM:
         conversations: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        convs = (
+            [conversations]
+            if conversations and isinstance(conversations[0], dict)
+            else conversations
+        )
         return self._run([(None, self.engine.encode_chat(list(c))) for c in convs], sampling_params)
 
     def _run(
@@ -72,9 +84,11 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
         try:
-            for i, ((text, token_ids), sp) in enumerate(zip(prompts, params)):
+            for i, ((_, token_ids), sp) in enumerate(zip(prompts, params)):
                 request_id = f"llm-{next(self._ids)}"
-                self.engine.add_request(request_id, token_ids, sp, priority=priority[i] if priority else 0)
+                self.engine.add_request(
+                    request_id, token_ids, sp, priority=priority[i] if priority else 0
+                )
                 ids.append(request_id)
         except ValueError:
             for request_id in ids:  # all or nothing: the engine is left as it was

@@ -61,8 +61,12 @@ class LLMEngine:
         return render_chat(self.tokenizer, messages)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        arrival_time: float | None = None, priority: int = 0,
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -70,13 +74,17 @@ class LLMEngine:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
         text, token_ids = self.encode_prompt(prompt)
         group = _Group(request_id, text, token_ids)
-        sample_params = [params] if params.n == 1 else [params.clone_for_sample(i) for i in range(params.n)]
+        sample_params = (
+            [params] if params.n == 1 else [params.clone_for_sample(i) for i in range(params.n)]
+        )
         try:
             for i, sp in enumerate(sample_params):
                 sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
                 req = self.core.add_request(sample_id, token_ids, sp, arrival_time, priority)
                 detok = (
-                    IncrementalDetokenizer(self.tokenizer, token_ids, sp) if self.tokenizer else None
+                    IncrementalDetokenizer(self.tokenizer, token_ids, sp)
+                    if self.tokenizer
+                    else None
                 )
                 group.samples.append(_Sample(req, detok))
                 self._sample_to_group[sample_id] = request_id
@@ -137,7 +145,8 @@ class LLMEngine:
                 text=s.detokenizer.output_text if s.detokenizer else "",
                 token_ids=list(s.request.output_token_ids),
                 logprobs=list(s.request.output_logprobs)
-                if s.request.params.logprobs is not None else None,
+                if s.request.params.logprobs is not None
+                else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.request.stop_reason,
             )
@@ -161,6 +170,7 @@ class LLMEngine:
             outputs=completions,
             finished=group.finished,
             metrics=metrics,
-            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None
+            prompt_logprobs=first.prompt_logprobs
+            if first.params.prompt_logprobs is not None
             else None,
         )

@@ -36,8 +36,10 @@ class ModelRunner:
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=model.device),
-             torch.zeros(shape, dtype=model.dtype, device=model.device))
+            (
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+            )
             for _ in range(cfg.num_layers)
         ]
 

@@ -28,7 +28,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # top-k logprobs per sampled token (the sampled one always included)
+    logprobs: int | None = (
+        None  # top-k logprobs per sampled token (the sampled one always included)
+    )
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -69,7 +71,9 @@ class SamplingParams:
             raise bad("seed", self.seed, f"in [0, 2**63 - {_MAX_SAMPLES})")
         if self.n > _MAX_SAMPLES:
             raise bad("n", self.n, f"<= {_MAX_SAMPLES}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
         if self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, ">= 0")

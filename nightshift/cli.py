@@ -43,7 +43,9 @@ def generate(
         str, typer.Argument(help="The user message (chat) or raw prompt (--raw).")
     ] = "Give three tips for running a reliable nightly batch job.",
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, no chat template.")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="Send the prompt as is, no chat template.")
+    ] = False,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -57,9 +59,7 @@ def generate(
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model, dtype=dtype, device=device)
-    params = SamplingParams(
-        temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens
-    )
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
     start = time.perf_counter()
     if raw:
         result = llm.generate([prompt], params)[0]
@@ -70,7 +70,10 @@ def generate(
     typer.echo(out.text)
     logging.getLogger("nightshift").info(
         "%d prompt + %d output tokens in %.2f s (finish: %s)",
-        len(result.prompt_token_ids), len(out.token_ids), elapsed, out.finish_reason,
+        len(result.prompt_token_ids),
+        len(out.token_ids),
+        elapsed,
+        out.finish_reason,
     )
 
 
@@ -82,8 +85,12 @@ app.add_typer(bench_app, name="bench")
 def bench_engine(
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
     num_prompts: Annotated[int, typer.Option(help="Requests in the mixed workload.")] = 64,
-    max_batch: Annotated[int, typer.Option(help="Engine max_num_seqs = HF static batch size.")] = 32,
-    max_num_batched_tokens: Annotated[int, typer.Option(help="Engine token budget per step.")] = 2048,
+    max_batch: Annotated[
+        int, typer.Option(help="Engine max_num_seqs = HF static batch size.")
+    ] = 32,
+    max_num_batched_tokens: Annotated[
+        int, typer.Option(help="Engine token budget per step.")
+    ] = 2048,
     input_min: Annotated[int, typer.Option()] = 200,
     input_max: Annotated[int, typer.Option()] = 700,
     output_min: Annotated[int, typer.Option()] = 64,
@@ -98,10 +105,17 @@ def bench_engine(
     from engine.bench import BenchConfig, run_bench
 
     config = BenchConfig(
-        model=model, num_prompts=num_prompts, max_batch=max_batch,
-        max_num_batched_tokens=max_num_batched_tokens, input_range=(input_min, input_max),
-        output_range=(output_min, output_max), threads=threads, seed=seed, skip_hf=skip_hf,
-        skip_batch1=skip_batch1, json_out=json_out,
+        model=model,
+        num_prompts=num_prompts,
+        max_batch=max_batch,
+        max_num_batched_tokens=max_num_batched_tokens,
+        input_range=(input_min, input_max),
+        output_range=(output_min, output_max),
+        threads=threads,
+        seed=seed,
+        skip_hf=skip_hf,
+        skip_batch1=skip_batch1,
+        json_out=json_out,
     )
     run_bench(config, echo=typer.echo)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class AttentionMetadata:
     query_start_loc: list[int]  # [num_reqs + 1]
     seq_lens_list: list[int]
     block_size: int
+    # Derived tensors a backend builds on first use and every later layer of the step reuses.
+    cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -96,7 +96,9 @@ class KVCacheManager:
                 self.pool.unregister(block)
         self.pool.free(reversed(blocks))
 
-    def _register_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _register_full_blocks(
+        self, request: Request, blocks: list[KVBlock], num_tokens: int
+    ) -> None:
         # Registering at allocation time is safe: K/V of every token of the step is written before
         # any attention reads it, so a request hitting these blocks later always sees them filled.
         num_full = min(num_tokens, request.num_tokens) // self.block_size
@@ -134,5 +136,6 @@ class KVCacheManager:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
         for block in self.pool.blocks:
             assert owners.get(block.block_id, 0) == block.ref_cnt, (
-                f"block {block.block_id}: ref {block.ref_cnt}, owners {owners.get(block.block_id, 0)}"
+                f"block {block.block_id}: ref {block.ref_cnt}, "
+                f"owners {owners.get(block.block_id, 0)}"
             )

@@ -36,7 +36,7 @@ class LayerWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # torch's fused kernel: one pass instead of six ops, and bit-identical to HF's float32 formula
-    # (normalize in float32, then scale). Half precision inputs are normalized in float32 as HF does.
+    # (normalize in float32, then scale). Half precision is normalized in float32, as HF does.
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
@@ -44,7 +44,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(
-        self, config: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int,
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
         backend: TorchAttentionBackend | None = None,
     ) -> None:
         self.config = config
@@ -64,7 +67,9 @@ class LlamaModel:
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         qkv = torch.cat([_take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = torch.cat([_take(w, p + "mlp.gate_proj.weight"), _take(w, p + "mlp.up_proj.weight")])
+        gate_up = torch.cat(
+            [_take(w, p + "mlp.gate_proj.weight"), _take(w, p + "mlp.up_proj.weight")]
+        )
         bias = None
         if self.config.qkv_bias:
             bias = torch.cat([_take(w, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
@@ -89,8 +94,11 @@ class LlamaModel:
         return self.embed.device
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         cfg = self.config
@@ -112,21 +120,32 @@ class LlamaModel:
         return hidden
 
     def _attention(
-        self, x: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        self,
+        x: torch.Tensor,
+        layer: LayerWeights,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         cfg = self.config
         num_tokens = x.shape[0]
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None:
-            q = rms_norm(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim), layer.k_norm,
-                         cfg.rms_norm_eps)
+            q = rms_norm(
+                q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps
+            )
+            k = rms_norm(
+                k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                layer.k_norm,
+                cfg.rms_norm_eps,
+            )
             qk = torch.cat([q, k], dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(
-                num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+                num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
+            )
         # q and k heads rotate together: one rotary pass over [T, Hq + Hkv, D].
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)

@@ -12,9 +12,13 @@ from engine.models.model_config import ModelConfig, load_model_config
 from engine.models.weights import load_weights
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
 }
 
 
@@ -52,9 +56,13 @@ def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None
     expected = {
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
         "model.layers.0.self_attn.q_proj.weight": (
-            config.num_heads * config.head_dim, config.hidden_size),
+            config.num_heads * config.head_dim,
+            config.hidden_size,
+        ),
         "model.layers.0.self_attn.k_proj.weight": (
-            config.num_kv_heads * config.head_dim, config.hidden_size),
+            config.num_kv_heads * config.head_dim,
+            config.hidden_size,
+        ),
         "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
     }
     for name, shape in expected.items():

@@ -132,7 +132,9 @@ def _parse_rope(raw: dict, source: str) -> RopeConfig:
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
-    raise ModelLoadError(f"{source}: unsupported rope scaling {kind!r} (supported: default, llama3)")
+    raise ModelLoadError(
+        f"{source}: unsupported rope scaling {kind!r} (supported: default, llama3)"
+    )
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

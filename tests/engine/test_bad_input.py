@@ -54,7 +54,9 @@ BAD_REQUESTS = {
     "prompt longer than max_model_len": ([list(range(2, 202))], GREEDY, ["max_model_len", "200"]),
     "prompt exactly max_model_len": ([[3] * MAX_MODEL_LEN], GREEDY, ["max_model_len"]),
     "prompt + max_tokens over max_model_len": (
-        [[3] * 100], SamplingParams(max_tokens=50), ["max_tokens", "max_model_len", "150"]
+        [[3] * 100],
+        SamplingParams(max_tokens=50),
+        ["max_tokens", "max_model_len", "150"],
     ),
     "token id = vocab size": ([[5, VOCAB, 6]], GREEDY, ["vocabulary", str(VOCAB)]),
     "negative token id": ([[5, -1, 6]], GREEDY, ["vocabulary", "-1"]),

@@ -287,7 +287,7 @@ def test_decode_grows_block_table_one_block_at_a_time():
     r = make_request([3] * 7)
     admit(kv, r)
     assert len(kv.block_ids(r.request_id)) == 2
-    for i in range(6):
+    for _ in range(6):
         r.output_token_ids.append(5)
         assert kv.allocate_slots(r, 1)
         r.num_computed_tokens += 1
@@ -454,7 +454,9 @@ class KVMachine(RuleBasedStateMachine):
 
 
 KVMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=50, deadline=None,
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVMachine = KVMachine.TestCase

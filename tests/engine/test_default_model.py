@@ -37,7 +37,7 @@ def test_chat_greedy_matches_hf(llm, model_dir):
         assert result.prompt_token_ids == ids[0].tolist()
         with torch.inference_mode():
             out = hf.generate(ids, max_new_tokens=48, do_sample=False)
-        expected = out[0, ids.shape[1]:].tolist()
+        expected = out[0, ids.shape[1] :].tolist()
         assert result.outputs[0].token_ids == expected
         ours = result.outputs[0]
         # EOS ends both; its text is not part of the answer.

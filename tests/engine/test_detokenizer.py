@@ -362,7 +362,7 @@ def test_stop_spanning_three_tokens_is_never_streamed_in_part(
     ids = byte_ids(tok, b"go END now")
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["END"]))
     seen = ""
-    for i, token_id in enumerate(ids):
+    for i, token_id in enumerate(ids):  # noqa: B007 (i is checked after the loop)
         stop = detok.update([token_id])
         seen += detok.get_next_delta(finished=False)
         assert "E" not in seen

@@ -26,8 +26,13 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 CASES = [
-    ("llama", False), ("llama", True), ("mistral", False), ("qwen2", False), ("qwen2", True),
-    ("qwen3", False), ("qwen3", True),
+    ("llama", False),
+    ("llama", True),
+    ("mistral", False),
+    ("qwen2", False),
+    ("qwen2", True),
+    ("qwen3", False),
+    ("qwen3", True),
 ]
 CONFIGS = {
     "prefix": dict(enable_prefix_caching=True),
@@ -36,7 +41,9 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}")
+@pytest.fixture(
+    scope="module", params=CASES, ids=lambda c: f"{c[0]}-{'tied' if c[1] else 'untied'}"
+)
 def tiny(request, tmp_path_factory):
     family, tied = request.param
     path = build_tiny_model(family, tmp_path_factory.mktemp(family), tied=tied)

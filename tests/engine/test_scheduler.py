@@ -23,8 +23,14 @@ class Harness:
     every scheduled request attends to blocks holding exactly its own tokens."""
 
     def __init__(
-        self, *, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-        max_num_batched_tokens: int = 32, max_model_len: int = 1024, prefix: bool = True,
+        self,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 32,
+        max_model_len: int = 1024,
+        prefix: bool = True,
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
@@ -40,11 +46,17 @@ class Harness:
     ) -> Request:
         seq = next(self.seq)
         # An int asks for that many tokens unique to the request (no prefix hits).
-        tokens = [1000 * (seq + 1) + i for i in range(prompt)] if isinstance(prompt, int) else prompt
+        tokens = (
+            [1000 * (seq + 1) + i for i in range(prompt)] if isinstance(prompt, int) else prompt
+        )
         request = Request(
-            request_id=rid, prompt_token_ids=list(tokens),
-            params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
-            arrival_time=0.0, arrival_seq=seq, priority=priority,
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            params=SamplingParams(max_tokens=max_tokens),
+            max_tokens=max_tokens,
+            arrival_time=0.0,
+            arrival_seq=seq,
+            priority=priority,
             eos_token_ids=frozenset({EOS}),
         )
         self.sched.add_request(request)
@@ -339,10 +351,15 @@ def test_unwritten_cached_block_changes_greedy_output_end_to_end(tmp_path):
     path = build_tiny_model("llama", tmp_path)
 
     def engine() -> LLMEngine:
-        return LLMEngine(EngineConfig(
-            model=str(path), block_size=4, num_kv_blocks=6, max_num_batched_tokens=9,
-            max_model_len=64,
-        ))
+        return LLMEngine(
+            EngineConfig(
+                model=str(path),
+                block_size=4,
+                num_kv_blocks=6,
+                max_num_batched_tokens=9,
+                max_model_len=64,
+            )
+        )
 
     def greedy(n: int) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -398,8 +415,11 @@ def _sample(request: Request) -> int:
 )
 def test_random_arrivals_aborts_and_preemptions(events, budget, max_num_seqs, prefix):
     h = Harness(
-        num_blocks=NUM_BLOCKS, block_size=BS, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget, prefix=prefix,
+        num_blocks=NUM_BLOCKS,
+        block_size=BS,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        prefix=prefix,
     )
     h.sample = _sample
     requests: list[Request] = []

@@ -12,7 +12,9 @@ from tests.engine.tiny_models import build_tiny_model
 
 MAX_TOKENS = 32
 VOCAB = 384
-SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=123, max_tokens=MAX_TOKENS, ignore_eos=True)
+SEEDED = SamplingParams(
+    temperature=0.8, top_p=0.9, seed=123, max_tokens=MAX_TOKENS, ignore_eos=True
+)
 PROMPT = [random.Random(0).randrange(2, VOCAB) for _ in range(37)]
 
 
@@ -34,7 +36,9 @@ def _others(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
         prompt = [rng.randrange(2, VOCAB) for _ in range(n)]
         if i == 1:
             prompt = PROMPT[:32] + prompt
-        out.append((prompt, SamplingParams(max_tokens=rng.randint(4, MAX_TOKENS), ignore_eos=True, **kw)))
+        out.append(
+            (prompt, SamplingParams(max_tokens=rng.randint(4, MAX_TOKENS), ignore_eos=True, **kw))
+        )
     return out
 
 
