@@ -103,8 +103,7 @@ class LlamaModel:
         """Hidden states [T, hidden] after the final norm."""
         cfg = self.config
         cos_sin = self.cos_sin[positions]
-        half = cfg.head_dim // 2
-        cos, sin = cos_sin[:, None, :half].to(self.dtype), cos_sin[:, None, half:].to(self.dtype)
+        cos, sin = cos_sin[:, None, 0].to(self.dtype), cos_sin[:, None, 1].to(self.dtype)
         hidden = F.embedding(input_ids, self.embed)
         residual = hidden
         for i, layer in enumerate(self.layers):

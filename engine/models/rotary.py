@@ -34,15 +34,18 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 
 def cos_sin_cache(rope: RopeConfig, head_dim: int, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos in the first half, sin in the second."""
+    """[max_positions, 2, head_dim] float32: (cos, cos) and (-sin, sin) over the two halves, so
+    that rotating is x * cos + roll(x) * sin with no per-step sign flips or concatenations."""
     inv_freq = inverse_frequencies(rope, head_dim)
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = positions[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] with cos/sin [T, 1, D/2] (neox / rotate-half layout, as HF Llama)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    """x [T, H, D] with cos/sin [T, 1, D] from cos_sin_cache (neox / rotate-half layout, as HF
+    Llama). roll(x) is HF's rotate_half up to the sign that sin already carries; separate multiply
+    and add (no fused multiply-add) keep float32 results bit-identical to HF."""
+    rotated = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin)
+    return torch.mul(x, cos).add_(rotated)
