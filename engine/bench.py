@@ -14,6 +14,7 @@ must read all weights once: bytes per step over the measured copy bandwidth boun
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import statistics
@@ -340,6 +341,19 @@ def _run_batch1(
     return out
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")),
+        platform.machine(),
+    )
+    return f"{name} ({'AVX-512' if ' avx512f' in info else 'no AVX-512'}, {os.cpu_count()} CPUs)"
+
+
 def _machine(mcfg: ModelConfig, cfg: BenchConfig) -> dict:
     # The denominator is the best of a large square matmul and the model's own largest matmul at
     # the engine's token budget, so the fraction is not flattered by a slow reference shape.
@@ -349,7 +363,7 @@ def _machine(mcfg: ModelConfig, cfg: BenchConfig) -> dict:
     ]
     rates = measure_matmul_rate(shapes)
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "matmul_gflops_by_shape": rates,

@@ -106,8 +106,8 @@ class ModelRunner:
             first = req.num_computed_tokens
             # positions first .. last-1 predict prompt tokens first+1 .. num_prompt-1
             n = min(s.num_tokens, req.num_prompt_tokens - 1 - first)
-            if n <= 0:
-                continue
+            if n < 0 or (n == 0 and first > 0):
+                continue  # past the prompt; a 1-token prompt still gets its [None] entry
             start = meta.query_start_loc[i]
             out[req.request_id] = (first, self.model.compute_logits(hidden[start : start + n]))
         return out

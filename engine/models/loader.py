@@ -52,19 +52,40 @@ def load_model(
     return LlamaModel(config, weights, max_positions)
 
 
-def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    expected = {
-        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
-        "model.layers.0.self_attn.q_proj.weight": (
-            config.num_heads * config.head_dim,
-            config.hidden_size,
-        ),
-        "model.layers.0.self_attn.k_proj.weight": (
-            config.num_kv_heads * config.head_dim,
-            config.hidden_size,
-        ),
-        "model.layers.0.mlp.gate_proj.weight": (config.intermediate_size, config.hidden_size),
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, with the shape config.json implies."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    per_layer = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q, hidden),
+        "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden),
+        "self_attn.o_proj.weight": (hidden, q),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
     }
+    if config.qkv_bias:
+        per_layer.update(
+            {f"self_attn.{n}_proj.bias": (size,) for n, size in zip("qkv", (q, kv, kv))}
+        )
+    if config.qk_norm:
+        per_layer.update({f"self_attn.{n}_norm.weight": (config.head_dim,) for n in "qk"})
+    shapes = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    for i in range(config.num_layers):
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+    expected = expected_shapes(config)
+    if "lm_head.weight" in weights and not config.tie_word_embeddings:
+        expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     for name, shape in expected.items():
         if name not in weights:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
