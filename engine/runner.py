@@ -44,8 +44,12 @@ class ModelRunner:
         ]
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Decodes (one query token) first: the attention backend batches them in one call.
-        items = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)
+        # Decodes (one query token) first, by context length: the attention backend batches runs
+        # of similar length; prefill chunks follow, each attended on its own.
+        items = sorted(
+            sched.scheduled,
+            key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens),
+        )
         input_ids, positions, meta = self._prepare(items)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sample_rows = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(items) if s.samples]

@@ -35,10 +35,8 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool only."""
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(
-                q[: meta.num_decodes], k_cache, v_cache, meta, scale
-            )
+        for start, end, blocks, mask in self._decode_buckets(meta):
+            out[start:end] = self._decode(q[start:end], k_cache, v_cache, blocks, mask, scale)
         for r in range(meta.num_decodes, meta.num_reqs):
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
             out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, r, scale)
@@ -49,13 +47,13 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        blocks: torch.Tensor,
+        mask: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        blocks, mask = self._decode_inputs(meta)
         # [n, L, Hkv, D] -> [n, Hkv, L, D]; the G query heads of a KV group form the query "length"
         # axis, so GQA needs no K/V expansion. index_select copies whole blocks (block_size * Hkv *
         # D contiguous elements each): several times faster than advanced indexing here.
@@ -66,15 +64,19 @@ class TorchAttentionBackend:
         return out.reshape(n, num_heads, head_dim)
 
     @staticmethod
-    def _decode_inputs(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block ids to gather and the padding mask of the decodes; built once per step."""
+    def _decode_buckets(
+        meta: AttentionMetadata,
+    ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """The decodes split into runs of similar context length, each with the block ids to
+        gather and its padding mask; built once per step. Decodes arrive sorted by context length
+        (the runner orders them so), and each run is padded only to its own longest context:
+        padding all of them to the batch's longest would gather and attend over ~1.5x the keys
+        for prompts of mixed lengths."""
         if "decode" not in meta.cache:
-            n = meta.num_decodes
-            num_blocks = -(-max(meta.seq_lens_list[:n]) // meta.block_size)
-            blocks = meta.block_tables[:n, :num_blocks].reshape(-1)
-            positions = torch.arange(num_blocks * meta.block_size, device=blocks.device)
-            mask = (positions[None, :] < meta.seq_lens[:n, None]).view(n, 1, 1, -1)
-            meta.cache["decode"] = (blocks, mask)
+            meta.cache["decode"] = [
+                _decode_bucket(meta, start, end)
+                for start, end in _length_runs(meta.seq_lens_list[: meta.num_decodes])
+            ]
         return meta.cache["decode"]
 
     @staticmethod
@@ -119,3 +121,30 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+
+# A run of decodes closes once the next context is this much longer than the run's shortest, and
+# the run has at least _MIN_RUN members (each run costs one more gather and attention call).
+_RUN_GROWTH = 1.3
+_MIN_RUN = 4
+
+
+def _length_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], 0
+    for i in range(1, len(seq_lens) + 1):
+        if i == len(seq_lens) or (
+            seq_lens[i] > _RUN_GROWTH * seq_lens[start] and i - start >= _MIN_RUN
+        ):
+            runs.append((start, i))
+            start = i
+    return runs
+
+
+def _decode_bucket(
+    meta: AttentionMetadata, start: int, end: int
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    num_blocks = -(-max(meta.seq_lens_list[start:end]) // meta.block_size)
+    blocks = meta.block_tables[start:end, :num_blocks].reshape(-1)
+    positions = torch.arange(num_blocks * meta.block_size, device=blocks.device)
+    mask = (positions[None, :] < meta.seq_lens[start:end, None]).view(end - start, 1, 1, -1)
+    return start, end, blocks, mask
