@@ -112,6 +112,8 @@ class EngineCore:
             arrival_seq=next(self._arrivals),
             priority=priority,
             eos_token_ids=self.eos_token_ids,
+            min_tokens_stop_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else self.eos_token_ids),
             generator=self._generator(params),
         )
         self.requests[request_id] = request
@@ -203,8 +205,7 @@ class EngineCore:
                 generator=r.generator,
                 prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids,
-                stop_token_ids=set(r.params.stop_token_ids)
-                | (set() if r.params.ignore_eos else set(r.eos_token_ids)),
+                stop_token_ids=r.min_tokens_stop_ids,
             )
             for r in requests
         ]

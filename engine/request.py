@@ -34,6 +34,8 @@ class Request:
     arrival_seq: int  # tie-break in arrival order
     priority: int = 0  # lower runs first (vLLM's convention)
     eos_token_ids: frozenset[int] = frozenset()
+    # ids masked while fewer than min_tokens are out: stop ids, and EOS unless ignore_eos
+    min_tokens_stop_ids: frozenset[int] = frozenset()
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

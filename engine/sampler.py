@@ -38,7 +38,7 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated before this step
-    stop_token_ids: set[int]  # eos ids + params.stop_token_ids, masked while output < min_tokens
+    stop_token_ids: frozenset[int] | set[int]  # eos + stop ids, masked while output < min_tokens
 
 
 @dataclass(slots=True)
