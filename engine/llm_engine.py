@@ -22,6 +22,9 @@ class _Sample:
     request: Request
     detokenizer: IncrementalDetokenizer | None
     finish_reason: str | None = None
+    # Text released so far: while running it never ends in a possible start of a stop string,
+    # so streamed deltas (text[len(previous):]) never have to be taken back.
+    text: str = ""
 
 
 @dataclass(slots=True)
@@ -136,13 +139,15 @@ class LLMEngine:
                 request.status = RequestStatus.FINISHED_STOPPED
         if finished:
             sample.finish_reason = request.status.value
+        if sample.detokenizer is not None:
+            sample.text += sample.detokenizer.get_next_delta(finished)
 
     def _output(self, group: _Group) -> RequestOutput:
         first = group.samples[0].request
         completions = [
             CompletionOutput(
                 index=i,
-                text=s.detokenizer.output_text if s.detokenizer else "",
+                text=s.text,
                 token_ids=list(s.request.output_token_ids),
                 logprobs=list(s.request.output_logprobs)
                 if s.request.params.logprobs is not None

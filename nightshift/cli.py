@@ -77,6 +77,44 @@ def generate(
     )
 
 
+@app.command("serve")
+def serve(
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients use (default: --model).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Bind address (loopback unless told).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option()] = 8000,
+    api_key: Annotated[str | None, typer.Option(help="Require this bearer key.")] = None,
+    dtype: Annotated[str, typer.Option()] = "auto",
+    device: Annotated[str, typer.Option()] = "auto",
+    block_size: Annotated[int, typer.Option()] = 16,
+    num_kv_blocks: Annotated[int | None, typer.Option()] = None,
+    kv_cache_memory: Annotated[int | None, typer.Option(help="KV pool bytes.")] = None,
+    max_num_seqs: Annotated[int, typer.Option()] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option()] = 1024,
+    max_model_len: Annotated[int | None, typer.Option()] = None,
+    enable_prefix_caching: Annotated[bool, typer.Option()] = True,
+) -> None:
+    """Serve the OpenAI-compatible API (chat, completions, models, health)."""
+    from engine.config import EngineConfig
+    from engine.server.serve import serve as run_server
+
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_memory=kv_cache_memory,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    run_server(config, host, port, served_model_name, api_key)
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")
 app.add_typer(bench_app, name="bench")
 

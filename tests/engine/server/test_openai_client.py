@@ -1,0 +1,186 @@
+"""A live uvicorn server on 127.0.0.1 with a tiny model, driven by the official openai client
+(sync and async, streaming and not) and by raw httpx for errors."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.model_fetch import fetch_default_model
+from engine.server.app import create_app
+from tests.engine.tiny_models import build_tiny_model
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # A tiny random model that borrows the default model's tokenizer (text in, text out).
+    path = build_tiny_model(
+        "llama", tmp_path_factory.mktemp("srv"), vocab_size=49152, eos_token_id=2, bos_token_id=1
+    )
+    default = fetch_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default / name).exists():
+            shutil.copy(default / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), max_model_len=256))
+    app = create_app(engine, MODEL, api_key="secret")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="secret", timeout=60, max_retries=0)
+
+
+def test_chat_matches_offline(server, model_dir):
+    url, engine = server
+    messages = [{"role": "user", "content": "Say something."}]
+    resp = _client(url).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0
+    )
+    prompt = engine.engine.encode_chat(messages)
+    offline = (
+        LLM(model=str(model_dir), max_model_len=256)
+        .generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+        .outputs[0]
+    )
+    assert resp.choices[0].message.content == offline.text
+    assert resp.choices[0].finish_reason == offline.finish_reason
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == len(offline.token_ids)
+
+
+def test_chat_stream_concatenates_to_the_full_answer(server):
+    url, _ = server
+    client = _client(url)
+    kwargs = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16, temperature=0
+    )
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_async_many_prompts(server, model_dir):
+    url, _ = server
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="secret", timeout=60)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+
+    async def main():
+        return await asyncio.gather(
+            *(
+                client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+                for p in prompts
+            )
+        )
+
+    results = asyncio.run(main())
+    offline = LLM(model=str(model_dir), max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert [r.choices[0].text for r in results] == [o.outputs[0].text for o in offline]
+
+
+def test_completion_stream(server):
+    url, _ = server
+    client = _client(url)
+    full = (
+        client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8, temperature=0)
+        .choices[0]
+        .text
+    )
+    parts = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(p.choices[0].text for p in parts if p.choices) == full
+
+
+def test_models_health_version(server):
+    url, _ = server
+    assert [m.id for m in _client(url).models.list()] == [MODEL]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "words"),
+    [
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 5},
+            400,
+            "top_p",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            400,
+            "temperature",
+        ),
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "nope"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x " * 400}]},
+            400,
+            "max_model_len",
+        ),
+    ],
+)
+def test_errors(server, body, status, words):
+    url, _ = server
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": "Bearer secret"},
+        timeout=30,
+    )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"]
+    # and the server keeps serving
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_malformed_json_and_auth(server):
+    url, _ = server
+    r = httpx.post(
+        f"{url}/v1/completions",
+        content=b"{not json",
+        headers={"Authorization": "Bearer secret", "Content-Type": "application/json"},
+    )
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
