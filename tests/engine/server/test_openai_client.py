@@ -17,6 +17,7 @@ import uvicorn
 from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
 from engine.model_fetch import fetch_default_model
+from engine.request import RequestStatus
 from engine.server.app import create_app
 from tests.engine.tiny_models import build_tiny_model
 
@@ -184,3 +185,38 @@ def test_malformed_json_and_auth(server):
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_disconnect_mid_stream_frees_the_request(server):
+    url, engine = server
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a long story",
+        "max_tokens": 240,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer secret"},
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        running = [
+            req for rid, req in engine.engine.core.requests.items() if rid.startswith("cmpl-")
+        ]
+    # the client is gone: the engine aborts the request and frees its blocks
+    for _ in range(300):
+        if not engine.engine.has_unfinished():
+            break
+        time.sleep(0.02)
+    assert len(running) == 1
+    assert running[0].status == RequestStatus.FINISHED_ABORTED
+    assert len(running[0].output_token_ids) < 240
+    assert not engine.engine.has_unfinished()
+    assert engine.engine.core.kv.stats().num_used == 0
