@@ -13,7 +13,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -54,6 +55,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="nightshift-engine", daemon=True)
         self._stopping = False
+        # Called on the engine thread with each step's wall time (seconds), e.g. by metrics.
+        self.step_observers: list[Callable[[float], None]] = []
         self._thread.start()
 
     @property
@@ -136,6 +139,7 @@ class AsyncEngine:
             self._streams[command.request_id] = command.stream
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - one failed step must not stop the server
@@ -145,6 +149,9 @@ class AsyncEngine:
                 stream.put(RuntimeError(f"engine step failed: {e}"))
             self._streams.clear()
             return
+        elapsed = time.perf_counter() - start
+        for observe in self.step_observers:
+            observe(elapsed)
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

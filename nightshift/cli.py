@@ -86,6 +86,9 @@ def serve(
     host: Annotated[str, typer.Option(help="Bind address (loopback unless told).")] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
     api_key: Annotated[str | None, typer.Option(help="Require this bearer key.")] = None,
+    max_waiting_requests: Annotated[
+        int | None, typer.Option(help="Answer 429 when this many requests wait.")
+    ] = None,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     block_size: Annotated[int, typer.Option()] = 16,
@@ -112,7 +115,7 @@ def serve(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
     )
-    run_server(config, host, port, served_model_name, api_key)
+    run_server(config, host, port, served_model_name, api_key, max_waiting_requests)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")

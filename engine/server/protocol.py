@@ -35,11 +35,20 @@ class _Sampling(BaseModel):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
         )
 
 

@@ -220,3 +220,76 @@ def test_disconnect_mid_stream_frees_the_request(server):
     assert len(running[0].output_token_ids) < 240
     assert not engine.engine.has_unfinished()
     assert engine.engine.core.kv.stats().num_used == 0
+
+
+def test_64_concurrent_streams_match_offline(server, model_dir):
+    url, _ = server
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="secret", timeout=120, max_retries=0)
+    prompts = [[20 + i, 30 + i % 7, 40 + i % 5, 50 + i % 3] for i in range(64)]
+
+    async def one(p):
+        text = ""
+        stream = await client.completions.create(
+            model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+        return text
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    texts = asyncio.run(main())
+    offline = LLM(model=str(model_dir), max_model_len=256).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8)
+    )
+    assert texts == [o.outputs[0].text for o in offline]
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def test_metrics(server):
+    url, _ = server
+    before = httpx.get(f"{url}/metrics").text
+    _client(url).completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = httpx.get(f"{url}/metrics").text
+    assert (
+        _metric(after, "nightshift:generation_tokens_total")
+        - _metric(before, "nightshift:generation_tokens_total")
+        == 4
+    )
+    assert _metric(after, "nightshift:request_success_total") > _metric(
+        before, "nightshift:request_success_total"
+    )
+    for name in (
+        "nightshift:num_requests_running",
+        "nightshift:kv_cache_usage_perc",
+        "nightshift:time_to_first_token_seconds_count",
+        "nightshift:step_seconds_count",
+        "nightshift:prefix_cache_queries_total",
+        "nightshift:num_preemptions_total",
+    ):
+        assert name in after
+
+
+def test_full_queue_answers_429(model_dir):
+    from fastapi.testclient import TestClient
+
+    engine = AsyncEngine(EngineConfig(model=str(model_dir), max_model_len=256))
+    try:
+        app = create_app(engine, MODEL, max_waiting_requests=0)
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+    finally:
+        engine.shutdown()

@@ -1,0 +1,106 @@
+"""Prometheus metrics (prefix `nightshift:`). Engine state (queues, KV usage, prefix-cache and
+preemption counts) is read at scrape time; per-request histograms are observed as requests end."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine.async_engine import AsyncEngine
+from engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class _EngineState:
+    """Reads the engine's counters at scrape time (reads only; the engine thread writes)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        core = self.engine.engine.core
+        sched, kv = core.scheduler, core.kv
+        yield GaugeMetricFamily(
+            "nightshift:num_requests_running", "Requests being computed.", value=len(sched.running)
+        )
+        yield GaugeMetricFamily(
+            "nightshift:num_requests_waiting",
+            "Requests waiting to start.",
+            value=len(sched.waiting),
+        )
+        yield GaugeMetricFamily(
+            "nightshift:kv_cache_usage_perc",
+            "Fraction of KV blocks held by requests.",
+            value=kv.usage(),
+        )
+        yield CounterMetricFamily(
+            "nightshift:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=kv.prefix_stats.queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "nightshift:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            value=kv.prefix_stats.hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "nightshift:num_preemptions", "Requests preempted.", value=sched.num_preemptions
+        )
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineState(engine))
+        r = self.registry
+        self.prompt_tokens = Counter("nightshift:prompt_tokens", "Prompt tokens.", registry=r)
+        self.generation_tokens = Counter(
+            "nightshift:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.finished = Counter(
+            "nightshift:request_success",
+            "Finished requests by reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "nightshift:time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "nightshift:time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "nightshift:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step = Histogram(
+            "nightshift:step_seconds", "Engine step wall time.", buckets=_STEP_BUCKETS, registry=r
+        )
+        engine.step_observers.append(self.step.observe)
+
+    def observe_finished(self, final: RequestOutput) -> None:
+        m = final.metrics
+        self.prompt_tokens.inc(len(final.prompt_token_ids))
+        generated = sum(len(o.token_ids) for o in final.outputs)
+        self.generation_tokens.inc(generated)
+        for o in final.outputs:
+            self.finished.labels(o.finish_reason or "abort").inc()
+        if m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.finish_time is not None:
+                self.e2e.observe(m.finish_time - m.arrival_time)
+                if generated > len(final.outputs):
+                    per_token = (m.finish_time - m.first_token_time) / (
+                        generated / len(final.outputs) - 1
+                    )
+                    self.tpot.observe(per_token)
