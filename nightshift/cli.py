@@ -89,6 +89,9 @@ def serve(
     max_waiting_requests: Annotated[
         int | None, typer.Option(help="Answer 429 when this many requests wait.")
     ] = None,
+    grace_period: Annotated[
+        float, typer.Option(help="Seconds in-flight requests get after SIGTERM.")
+    ] = 30.0,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     block_size: Annotated[int, typer.Option()] = 16,
@@ -115,7 +118,7 @@ def serve(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
     )
-    run_server(config, host, port, served_model_name, api_key, max_waiting_requests)
+    run_server(config, host, port, served_model_name, api_key, max_waiting_requests, grace_period)
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 
 import uvicorn
 
@@ -13,6 +15,20 @@ from engine.server.app import create_app
 logger = logging.getLogger(__name__)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a graceful stop ends the process normally (exit 0): uvicorn
+    re-raises the captured SIGTERM after shutting down, which a supervisor reads as a crash."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
 def serve(
     config: EngineConfig,
     host: str,
@@ -20,7 +36,10 @@ def serve(
     served_model_name: str | None,
     api_key: str | None,
     max_waiting_requests: int | None = None,
+    grace_period: float = 30.0,
 ) -> None:
+    """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
+    for up to grace_period seconds; whatever still runs after that is aborted, and we exit 0."""
     engine = AsyncEngine(config)
     core = engine.engine.core
     name = served_model_name or config.model
@@ -37,6 +56,9 @@ def serve(
     )
     app = create_app(engine, name, api_key, max_waiting_requests)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server_config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_period
+        )
+        _Server(server_config).run()
     finally:
         engine.shutdown()
