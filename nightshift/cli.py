@@ -164,5 +164,34 @@ def bench_engine(
     run_bench(config, echo=typer.echo)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    num_prompts: Annotated[int, typer.Option()] = 32,
+    max_batch: Annotated[int, typer.Option()] = 32,
+    input_min: Annotated[int, typer.Option()] = 200,
+    input_max: Annotated[int, typer.Option()] = 700,
+    output_min: Annotated[int, typer.Option()] = 64,
+    output_max: Annotated[int, typer.Option()] = 256,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """The same workload over HTTP streaming and offline, one run: serving overhead."""
+    import json
+
+    from engine.server.bench import ServeBenchConfig, run_bench_serve
+
+    cfg = ServeBenchConfig(
+        model=model,
+        num_prompts=num_prompts,
+        max_batch=max_batch,
+        input_range=(input_min, input_max),
+        output_range=(output_min, output_max),
+    )
+    report = run_bench_serve(cfg, echo=typer.echo)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,138 @@
+"""`nightshift bench serve`: the same workload through the HTTP server (streaming, the official
+openai client, all requests concurrent) and through offline LLM.generate, in one run; the ratio of
+their output-token throughputs is the serving overhead."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import uvicorn
+
+from engine import LLM, EngineConfig
+from engine.async_engine import AsyncEngine
+from engine.bench import BenchConfig, SideResult, make_workload, run_engine
+from engine.model_fetch import resolve_model
+from engine.server.app import create_app
+
+
+@dataclass(slots=True)
+class ServeBenchConfig:
+    model: str = "default"
+    num_prompts: int = 32
+    max_batch: int = 32
+    max_num_batched_tokens: int = 2048
+    input_range: tuple[int, int] = (200, 700)
+    output_range: tuple[int, int] = (64, 256)
+    seed: int = 0
+
+
+def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) -> dict:
+    model_dir = str(resolve_model(cfg.model))
+    engine_kwargs = dict(
+        max_num_seqs=cfg.max_batch,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.input_range[1] + cfg.output_range[1] + 16,
+        seed=cfg.seed,
+    )
+    workload = make_workload(
+        BenchConfig(
+            num_prompts=cfg.num_prompts,
+            input_range=cfg.input_range,
+            output_range=cfg.output_range,
+            seed=cfg.seed,
+        ),
+        vocab_size=_vocab(model_dir),
+    )
+    warm = make_workload(
+        BenchConfig(num_prompts=2, input_range=(16, 32), output_range=(4, 4)),
+        vocab_size=_vocab(model_dir),
+    )
+    llm = LLM(model=model_dir, **engine_kwargs)
+    run_engine(llm, warm)  # first-call costs (allocator, thread pools) stay out of the timing
+    offline = run_engine(llm, workload)
+    del llm
+    http = _run_http(EngineConfig(model=model_dir, **engine_kwargs), workload, warm)
+    ratio = http.tokens_per_s / offline.tokens_per_s
+    echo(
+        f"{cfg.num_prompts} requests, inputs {cfg.input_range}, outputs {cfg.output_range}, "
+        f"batch {cfg.max_batch}"
+    )
+    echo(f"  offline LLM.generate: {offline.tokens_per_s:.1f} tok/s ({offline.wall_s:.1f} s)")
+    echo(
+        f"  HTTP streaming:       {http.tokens_per_s:.1f} tok/s ({http.wall_s:.1f} s), "
+        f"median TTFT {http.extra['median_ttft_s']:.2f} s"
+    )
+    echo(f"  HTTP / offline = {ratio:.2f}x")
+    return {"config": asdict(cfg), "offline": asdict(offline), "http": asdict(http), "ratio": ratio}
+
+
+def _vocab(model_dir: str) -> int:
+    from pathlib import Path
+
+    from engine.models.model_config import load_model_config
+
+    return load_model_config(Path(model_dir)).vocab_size
+
+
+def _run_http(config: EngineConfig, workload, warm) -> SideResult:
+    import openai
+
+    engine = AsyncEngine(config)
+    app = create_app(engine, "bench")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=3600, max_retries=0
+    )
+
+    async def one(prompt: list[int], n: int) -> tuple[int, float]:
+        start = time.perf_counter()
+        first = None
+        tokens = 0
+        stream = await client.completions.create(
+            model="bench",
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        async for chunk in stream:
+            if first is None and chunk.choices:
+                first = time.perf_counter() - start
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first or 0.0
+
+    async def main() -> tuple[list[tuple[int, float]], float]:
+        await asyncio.gather(*(one(p, n) for p, n in zip(warm.prompts, warm.output_lens)))
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens))
+        )
+        return results, time.perf_counter() - start
+
+    try:
+        results, wall = asyncio.run(main())
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.shutdown()
+    tokens = sum(t for t, _ in results)
+    assert tokens == sum(workload.output_lens), "the server produced a different number of tokens"
+    ttfts = sorted(f for _, f in results)
+    return SideResult(
+        "http", wall, tokens, tokens / wall, {"median_ttft_s": ttfts[len(ttfts) // 2]}
+    )
