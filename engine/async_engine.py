@@ -152,10 +152,19 @@ class AsyncEngine:
         elapsed = time.perf_counter() - start
         for observe in self.step_observers:
             observe(elapsed)
+        # One wake-up of each event loop per step, not one per request.
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
             if out.finished:
                 del self._streams[out.request_id]
-            stream.put(out)
+            batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

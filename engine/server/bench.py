@@ -5,19 +5,19 @@ their output-token throughputs is the serving overhead."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-import uvicorn
+import httpx
 
 from engine import LLM, EngineConfig
-from engine.async_engine import AsyncEngine
 from engine.bench import BenchConfig, SideResult, make_workload, run_engine
 from engine.model_fetch import resolve_model
-from engine.server.app import create_app
 
 
 @dataclass(slots=True)
@@ -71,6 +71,42 @@ def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) 
     return {"config": asdict(cfg), "offline": asdict(offline), "http": asdict(http), "ratio": ratio}
 
 
+def _start_server(config: EngineConfig) -> tuple[subprocess.Popen, int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nightshift.cli",
+        "serve",
+        "--model",
+        config.model,
+        "--served-model-name",
+        "bench",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        str(config.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(config.max_num_batched_tokens),
+        "--max-model-len",
+        str(config.max_model_len),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, port
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("the server did not become healthy within 300 s")
+
+
 def _vocab(model_dir: str) -> int:
     from pathlib import Path
 
@@ -82,16 +118,9 @@ def _vocab(model_dir: str) -> int:
 def _run_http(config: EngineConfig, workload, warm) -> SideResult:
     import openai
 
-    engine = AsyncEngine(config)
-    app = create_app(engine, "bench")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
+    # The server runs as `nightshift serve` in its own process, as deployed: the client's Python
+    # work (SSE parsing) must not share the server's interpreter lock.
+    server, port = _start_server(config)
     client = openai.AsyncOpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key="x", timeout=3600, max_retries=0
     )
@@ -127,9 +156,8 @@ def _run_http(config: EngineConfig, workload, warm) -> SideResult:
     try:
         results, wall = asyncio.run(main())
     finally:
-        server.should_exit = True
-        thread.join(30)
-        engine.shutdown()
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
     tokens = sum(t for t, _ in results)
     assert tokens == sum(workload.output_lens), "the server produced a different number of tokens"
     ttfts = sorted(f for _, f in results)

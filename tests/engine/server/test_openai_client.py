@@ -220,6 +220,9 @@ def test_disconnect_mid_stream_frees_the_request(server):
     assert len(running[0].output_token_ids) < 240
     assert not engine.engine.has_unfinished()
     assert engine.engine.core.kv.stats().num_used == 0
+    metrics = httpx.get(f"{url}/metrics").text
+    assert _metric(metrics, "nightshift:num_requests_running") == 0
+    assert _metric(metrics, "nightshift:kv_cache_usage_perc") == 0
 
 
 def test_64_concurrent_streams_match_offline(server, model_dir):
@@ -293,3 +296,34 @@ def test_full_queue_answers_429(model_dir):
         assert r.json()["error"]["code"] == "queue_full"
     finally:
         engine.shutdown()
+
+
+def test_logprobs(server):
+    url, _ = server
+    client = _client(url)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert entry.logprob == max(t.logprob for t in entry.top_logprobs)
+    text = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert text.text.startswith("Hello")
+    assert len(text.logprobs.token_logprobs) == 3
