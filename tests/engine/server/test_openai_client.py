@@ -331,25 +331,20 @@ def test_logprobs(server):
 
 def test_completions_several_prompts_and_n(server):
     url, _ = server
-    resp = _client(url).completions.create(
-        model=MODEL,
-        prompt=["One", "Two"],
-        n=2,
-        max_tokens=4,
-        temperature=0.8,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
+
+    def create():
+        return _client(url).completions.create(
+            model=MODEL,
+            prompt=["One", "Two"],
+            n=2,
+            max_tokens=4,
+            temperature=0.8,
+            seed=7,
+            extra_body={"ignore_eos": True},
+        )
+
+    resp = create()
     assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
     assert resp.usage.completion_tokens == 16
-    again = _client(url).completions.create(
-        model=MODEL,
-        prompt=["One", "Two"],
-        n=2,
-        max_tokens=4,
-        temperature=0.8,
-        seed=7,
-        extra_body={"ignore_eos": True},
-    )
-    by_index = {c.index: c.text for c in again.choices}
+    by_index = {c.index: c.text for c in create().choices}
     assert all(by_index[c.index] == c.text for c in resp.choices)  # seeded: reproducible
