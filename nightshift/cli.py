@@ -195,3 +195,9 @@ def bench_serve(
 
 if __name__ == "__main__":
     app()
+
+
+from nightshift.digest_commands import db_app, digest_app  # noqa: E402 - registered last
+
+app.add_typer(digest_app, name="digest")
+app.add_typer(db_app, name="db")

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,6 +15,7 @@ import httpx
 from engine import LLM, EngineConfig
 from engine.bench import BenchConfig, SideResult, make_workload, run_engine
 from engine.model_fetch import resolve_model
+from engine.server.server_process import ServerProcess, start_server_process
 
 
 @dataclass(slots=True)
@@ -72,40 +69,21 @@ def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) 
     return {"config": asdict(cfg), "offline": asdict(offline), "http": asdict(http), "ratio": ratio}
 
 
-def _start_server(config: EngineConfig) -> tuple[subprocess.Popen, int]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "nightshift.cli",
-        "serve",
-        "--model",
-        config.model,
-        "--served-model-name",
-        "bench",
-        "--port",
-        str(port),
-        "--max-num-seqs",
-        str(config.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(config.max_num_batched_tokens),
-        "--max-model-len",
-        str(config.max_model_len),
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, port
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the server did not become healthy within 300 s")
+def _start_server(config: EngineConfig) -> ServerProcess:
+    return start_server_process(
+        [
+            "--model",
+            config.model,
+            "--served-model-name",
+            "bench",
+            "--max-num-seqs",
+            str(config.max_num_seqs),
+            "--max-num-batched-tokens",
+            str(config.max_num_batched_tokens),
+            "--max-model-len",
+            str(config.max_model_len),
+        ]
+    )
 
 
 def _vocab(model_dir: str) -> int:
@@ -119,8 +97,8 @@ def _vocab(model_dir: str) -> int:
 def _run_http(config: EngineConfig, workload, warm) -> SideResult:
     # The server runs as `nightshift serve` in its own process, as deployed: the client's Python
     # work (SSE parsing) must not share the server's interpreter lock.
-    server, port = _start_server(config)
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    server = _start_server(config)
+    url = f"{server.base_url}/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     client = httpx.AsyncClient(timeout=3600, limits=limits)
 
@@ -159,8 +137,7 @@ def _run_http(config: EngineConfig, workload, warm) -> SideResult:
     try:
         results, wall = asyncio.run(main())
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
+        server.stop(grace_s=60)
     tokens = sum(t for t, _ in results)
     assert tokens == sum(workload.output_lens), "the server produced a different number of tokens"
     ttfts = sorted(f for _, f in results)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -12,18 +11,13 @@ import time
 
 import httpx
 
+from engine.server.server_process import free_loopback_port
 from tests.engine.tiny_models import build_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
     model = build_tiny_model("llama", tmp_path / "m")
-    port = _free_port()
+    port = free_loopback_port()
     cmd = [
         sys.executable,
         "-m",

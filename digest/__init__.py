@@ -1,0 +1,1 @@
+"""The nightly paper digest: sources -> model calls -> store -> rendered outputs."""

@@ -1,0 +1,79 @@
+"""Where the digest's model calls go: `local` starts `nightshift serve` with the default model on a
+free loopback port for the length of the run; a URL is any OpenAI-compatible server, ours or a
+cloud one, used unchanged."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model_fetch import resolve_model
+from engine.server.server_process import start_server_process
+
+log = logging.getLogger(__name__)
+
+LOCAL = "local"
+
+
+class EndpointError(ValueError):
+    """The endpoint options do not make sense (e.g. a URL without --model)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Endpoint:
+    base_url: str
+    model: str
+    api_key: str | None
+
+
+def local_model_name(local_model: str) -> str:
+    """The name the local server is given: the model folder's name (the default model's is
+    `SmolLM2-135M-Instruct`), so stored results say which weights produced them."""
+    return Path(resolve_model(local_model)).name
+
+
+def api_key_from_env(var: str | None) -> str | None:
+    if var is None:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise EndpointError(f"--api-key-env names {var}, but that environment variable is empty")
+    return key
+
+
+def check_endpoint(
+    endpoint: str, model: str | None, api_key_env: str | None, local_model: str = "default"
+) -> tuple[str, str]:
+    """Validate the endpoint options before any work; returns (model name, endpoint label)."""
+    if endpoint == LOCAL:
+        return model or local_model_name(local_model), LOCAL
+    if not endpoint.startswith(("http://", "https://")):
+        raise EndpointError(f"--endpoint must be 'local' or an http(s) URL, not {endpoint!r}")
+    if not model:
+        raise EndpointError("--model is required with --endpoint URL (the server's model name)")
+    api_key_from_env(api_key_env)
+    return model, endpoint.rstrip("/")
+
+
+@contextmanager
+def open_endpoint(
+    endpoint: str,
+    model: str | None,
+    api_key_env: str | None,
+    local_model: str = "default",
+    local_args: tuple[str, ...] = (),
+) -> Iterator[Endpoint]:
+    name, label = check_endpoint(endpoint, model, api_key_env, local_model)
+    if endpoint != LOCAL:
+        yield Endpoint(label, name, api_key_from_env(api_key_env))
+        return
+    folder = str(resolve_model(local_model))
+    log.info("starting a local nightshift server for %s", name)
+    args = ["--model", folder, "--served-model-name", name, *local_args]
+    with start_server_process(args, quiet=not log.isEnabledFor(logging.DEBUG)) as server:
+        log.info("local server ready at %s", server.base_url)
+        yield Endpoint(server.base_url, name, None)

@@ -1,0 +1,44 @@
+"""What a rendered digest is made of: one entry per paper of the day, loaded from the store.
+
+Renderers take these plain objects, never database rows, so that `digest render` and the end of
+`digest run` produce the same files from the same data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date, datetime
+from typing import Literal
+
+from digest.paper import Paper
+from digest.review import InputBasis, ParseStatus, Review
+
+EntryStatus = Literal["done", "failed", "pending"]
+
+
+@dataclass(slots=True)
+class DigestEntry:
+    paper: Paper
+    status: EntryStatus
+    summary: str | None = None
+    review: Review | None = None  # set when the reply validated (parse_status ok or repaired)
+    review_raw: str | None = None  # the model's reply as received, kept when validation failed
+    review_parse_status: ParseStatus | None = None
+    input_basis: InputBasis = "abstract"
+    error: str | None = None  # why the paper failed, when it did
+
+
+@dataclass(slots=True)
+class DailyDigest:
+    digest_date: date
+    model: str
+    prompt_version: str
+    generated_at: datetime
+    entries: list[DigestEntry] = field(default_factory=list)
+
+    @property
+    def done(self) -> list[DigestEntry]:
+        return [e for e in self.entries if e.status == "done"]
+
+    @property
+    def failed(self) -> list[DigestEntry]:
+        return [e for e in self.entries if e.status != "done"]

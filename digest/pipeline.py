@@ -1,0 +1,358 @@
+"""One digest run, top to bottom: take the job lock, fetch the day's papers, store them, ask the
+model for what is missing, store each answer as it arrives, render the outputs, report.
+
+Idempotent and resumable by construction: the work list is computed from the store (a result that
+exists for this model, prompt version and input basis is never asked for again) and every result
+is committed as soon as it arrives, so a rerun of a date - after success, a failure, or a kill -9 -
+does only what is left."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import date
+from pathlib import Path
+
+from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
+from digest.endpoint import LOCAL, Endpoint, check_endpoint, open_endpoint
+from digest.paper import Paper
+from digest.progress import ProgressSink
+from digest.prompts import (
+    PROMPT_VERSION,
+    REVIEW_MAX_TOKENS,
+    SUMMARY_MAX_TOKENS,
+    paper_block,
+    review_messages,
+    summary_messages,
+)
+from digest.render import write_outputs
+from digest.review import InputBasis
+from digest.review_parse import parse_review, review_response_format
+from digest.run_report import RunReport
+from digest.sources import load_papers
+from digest.sources.fulltext import fetch_fulltext, truncate_text
+from digest.sources.polite_http import PoliteClient, PoliteHttpConfig
+from digest.store import migrate
+from digest.store.database import open_database
+from digest.store.digest_store import CallRecord, DigestStore, WorkKey, utcnow
+from digest.store.job_lock import JobLock
+
+log = logging.getLogger(__name__)
+
+RECENT_DIGESTS = 14  # how many dates the feed and index carry
+
+
+@dataclass(slots=True)
+class RunOptions:
+    digest_date: date
+    out_dir: Path
+    categories: list[str] = field(default_factory=lambda: ["cs.CL", "cs.LG"])
+    max_papers: int | None = None
+    source: str = "arxiv"  # arxiv | rss | a file path
+    input_mode: InputBasis = "abstract"
+    endpoint: str = LOCAL
+    model: str | None = None
+    api_key_env: str | None = None
+    concurrency: int = 4
+    db_url: str | None = None
+    include_cross: bool = False
+    max_input_chars: int = 24_000
+    local_model: str = "default"
+    local_server_args: tuple[str, ...] = ()
+    # Where the arXiv sources and the model client are pointed and how patient they are; tests
+    # point them at loopback fixtures and shorten the waits.
+    arxiv_api_url: str | None = None
+    arxiv_rss_url: str | None = None
+    http: PoliteHttpConfig = field(default_factory=PoliteHttpConfig)
+    chat_retries: int = 3
+    chat_backoff_s: float = 2.0
+    chat_read_timeout_s: float = 600.0
+
+
+@dataclass(slots=True)
+class PaperInput:
+    paper: Paper
+    basis: InputBasis
+    text: str
+    truncated: bool
+
+
+def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> RunReport:
+    """Run the digest of `options.digest_date`. Raises LockHeld when another run holds the lock,
+    SourceError when the papers cannot be fetched (recorded as a failed run)."""
+    started = time.perf_counter()
+    engine = open_database(options.db_url)
+    migrate.upgrade(engine)
+    store = DigestStore(engine)
+    model_name, label = check_endpoint(
+        options.endpoint, options.model, options.api_key_env, options.local_model
+    )
+    with JobLock(engine):
+        if stale := store.mark_stale_runs_interrupted():
+            log.info("%d earlier run(s) had died mid-way; resuming their work", stale)
+        run_id = store.start_run(
+            options.digest_date, _params(options), model_name, label, PROMPT_VERSION
+        )
+        try:
+            inputs = _prepare_inputs(store, options)
+            work = [i for i in inputs if not _is_done(store, i, model_name)]
+            _mark_done(store, options.digest_date, run_id, inputs, work)
+            log.info("%d of %d papers need model calls", len(work), len(inputs))
+            if work:
+                # The local server starts only now: a finished date, or a run whose source
+                # fails, costs no model load.
+                with open_endpoint(
+                    options.endpoint,
+                    options.model,
+                    options.api_key_env,
+                    options.local_model,
+                    options.local_server_args,
+                ) as endpoint:
+                    asyncio.run(_call_model(store, options, endpoint, run_id, work, progress))
+        except BaseException as exc:
+            store.finish_run(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+            raise
+        items = store.items(options.digest_date)
+        failed = [(i.paper_id, i.error or "not processed") for i, _ in items if i.status != "done"]
+        run = store.finish_run(run_id, "partial" if failed else "succeeded")
+        outputs = render_date(store, options.digest_date, options.out_dir)
+    cached = sum(c.cached_tokens or 0 for c in store.calls(run_id))
+    return RunReport(
+        run_id=run_id,
+        digest_date=options.digest_date,
+        status=run.status,
+        papers_total=run.papers_total,
+        papers_done=run.papers_done,
+        papers_failed=run.papers_failed,
+        calls=run.calls,
+        prompt_tokens=run.prompt_tokens,
+        completion_tokens=run.completion_tokens,
+        cached_tokens=cached,
+        wall_s=time.perf_counter() - started,
+        failed=failed,
+        outputs=outputs,
+    )
+
+
+def render_date(store: DigestStore, digest_date: date, out_dir: Path) -> list[Path]:
+    """Write the date's pages and refresh the feed and index; no model calls."""
+    digest = store.load_digest(digest_date)
+    if digest is None:
+        raise LookupError(f"the store has no digest for {digest_date.isoformat()}")
+    recent = [d for day in store.digest_dates(RECENT_DIGESTS) if (d := store.load_digest(day))]
+    return write_outputs(out_dir, digest, recent)
+
+
+def _params(options: RunOptions) -> dict:
+    keep = (
+        "categories",
+        "max_papers",
+        "source",
+        "input_mode",
+        "endpoint",
+        "model",
+        "concurrency",
+        "include_cross",
+        "max_input_chars",
+    )
+    return {k: v for k, v in asdict(options).items() if k in keep}
+
+
+def _prepare_inputs(store: DigestStore, options: RunOptions) -> list[PaperInput]:
+    """Fetch the day's papers, store them, and build each paper's model input."""
+    with PoliteClient(options.http) as client:
+        kwargs = {}
+        if options.arxiv_api_url:
+            kwargs["api_url"] = options.arxiv_api_url
+        if options.arxiv_rss_url:
+            kwargs["rss_url"] = options.arxiv_rss_url
+        papers = load_papers(
+            options.source,
+            categories=options.categories,
+            day=options.digest_date,
+            max_papers=options.max_papers,
+            client=client,
+            include_cross=options.include_cross,
+            **kwargs,
+        )
+        log.info("%d papers from %s", len(papers), options.source)
+        store.upsert_papers(papers)
+        store.add_items(options.digest_date, papers, options.input_mode)
+        # The stored list of the date, not just this fetch: a rerun also finishes papers that an
+        # earlier run of the date listed.
+        listed = [paper for _, paper in store.items(options.digest_date)]
+        return [_paper_input(store, client, options, paper) for paper in listed]
+
+
+def _paper_input(
+    store: DigestStore, client: PoliteClient, options: RunOptions, paper: Paper
+) -> PaperInput:
+    if options.input_mode == "abstract":
+        return PaperInput(paper, "abstract", paper.abstract, False)
+    row = store.fulltext(paper)
+    if row is None:
+        text = fetch_fulltext(client, paper)
+        full = truncate_text(text, options.max_input_chars) if text else None
+        store.save_fulltext(
+            paper,
+            full.text if full else None,
+            full.truncated if full else False,
+            full.original_chars if full else 0,
+        )
+        row = store.fulltext(paper)
+        assert row is not None
+    if row.text is None:
+        log.info("%s: no HTML full text; using the abstract", paper.arxiv_id)
+        return PaperInput(paper, "abstract", paper.abstract, False)
+    return PaperInput(paper, "fulltext", row.text, row.truncated)
+
+
+def _key(model: str, basis: InputBasis) -> WorkKey:
+    return WorkKey(model, PROMPT_VERSION, basis)
+
+
+def _is_done(store: DigestStore, item: PaperInput, model: str) -> bool:
+    key = _key(model, item.basis)
+    pid = item.paper.arxiv_id
+    return store.summary(pid, key) is not None and store.review(pid, key) is not None
+
+
+def _mark_done(
+    store: DigestStore, day: date, run_id: int, inputs: list[PaperInput], work: list[PaperInput]
+) -> None:
+    todo = {i.paper.arxiv_id for i in work}
+    for item in inputs:
+        if item.paper.arxiv_id not in todo:
+            store.set_item(day, item.paper.arxiv_id, "done", run_id, item.basis)
+
+
+async def _call_model(
+    store: DigestStore,
+    options: RunOptions,
+    endpoint: Endpoint,
+    run_id: int,
+    work: list[PaperInput],
+    progress: ProgressSink | None,
+) -> None:
+    config = ChatClientConfig(
+        base_url=endpoint.base_url,
+        model=endpoint.model,
+        api_key=endpoint.api_key,
+        read_timeout_s=options.chat_read_timeout_s,
+        max_retries=options.chat_retries,
+        backoff_s=options.chat_backoff_s,
+    )
+    # Bounded parallelism: `concurrency` papers in flight lets the server batch; each paper's
+    # review follows its summary, so the review finds the paper's prefix already cached.
+    slots = asyncio.Semaphore(options.concurrency)
+    if progress:
+        progress.start(len(work))
+    async with ChatClient(config, concurrency=options.concurrency) as client:
+        paper_calls = _PaperCalls(store, client, endpoint, options.digest_date, run_id)
+
+        async def one(item: PaperInput) -> None:
+            async with slots:
+                outcome = await paper_calls.process(item)
+            if progress:
+                progress.advance(item.paper.arxiv_id, outcome)
+
+        await asyncio.gather(*(one(item) for item in work))
+
+
+@dataclass(slots=True)
+class _PaperCalls:
+    store: DigestStore
+    client: ChatClient
+    endpoint: Endpoint
+    day: date
+    run_id: int
+
+    async def process(self, item: PaperInput) -> str:
+        """Summary, then review, each stored when it arrives; 'done' or 'failed: ...'."""
+        key = _key(self.endpoint.model, item.basis)
+        pid = item.paper.arxiv_id
+        block = paper_block(item.paper, item.basis, item.text, item.truncated)
+        try:
+            if self.store.summary(pid, key) is None:
+                result = await self._call(
+                    item, "summary", summary_messages(block), SUMMARY_MAX_TOKENS
+                )
+                text = result.text.strip()
+                if not text:
+                    raise ChatCallError(
+                        "the model returned an empty summary",
+                        None,
+                        result.attempts,
+                        result.started_at,
+                        result.latency_s,
+                    )
+                self.store.save_summary(item.paper, key, text, self.run_id)
+            if self.store.review(pid, key) is None:
+                # Ask for schema-constrained JSON unless this server has said it cannot.
+                fmt = (
+                    None
+                    if self.client.json_schema_supported is False
+                    else (review_response_format())
+                )
+                result = await self._call(
+                    item, "review", review_messages(block, item.basis), REVIEW_MAX_TOKENS, fmt
+                )
+                parsed = parse_review(result.text, item.basis)
+                self.store.save_review(
+                    item.paper,
+                    key,
+                    parsed.review,
+                    parsed.status,
+                    result.text,
+                    parsed.error,
+                    self.run_id,
+                )
+        except ChatCallError as exc:
+            self.store.set_item(self.day, pid, "failed", self.run_id, item.basis, str(exc))
+            return f"failed: {exc}"
+        self.store.set_item(self.day, pid, "done", self.run_id, item.basis)
+        return "done"
+
+    async def _call(
+        self,
+        item: PaperInput,
+        kind: str,
+        messages: list[dict],
+        max_tokens: int,
+        response_format: dict | None = None,
+    ) -> ChatResult:
+        record = CallRecord(
+            run_id=self.run_id,
+            paper_id=item.paper.arxiv_id,
+            kind=kind,
+            model=self.endpoint.model,
+            endpoint=self.endpoint.base_url,
+            prompt_version=PROMPT_VERSION,
+            input_basis=item.basis,
+            max_tokens=max_tokens,
+            started_at=utcnow(),
+            status="ok",
+        )
+        try:
+            result = await self.client.chat(
+                messages,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                seed=0,
+                response_format=response_format,
+            )
+        except ChatCallError as exc:
+            record.status, record.error, record.attempts = "error", str(exc), exc.attempts
+            record.started_at, record.latency_s = exc.started_at, exc.latency_s
+            self.store.record_call(record)
+            raise
+        record.prompt_tokens = result.prompt_tokens
+        record.completion_tokens = result.completion_tokens
+        record.cached_tokens = result.cached_tokens
+        record.ttft_s, record.latency_s = result.ttft_s, result.latency_s
+        record.started_at, record.attempts = result.started_at, result.attempts
+        record.finish_reason = result.finish_reason
+        self.store.record_call(record)
+        return result

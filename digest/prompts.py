@@ -1,0 +1,70 @@
+"""The digest's prompts, versioned: a change of wording is a new PROMPT_VERSION, so stored results
+say which prompt produced them and a rerun with a new prompt redoes the work.
+
+Every prompt is ordered shared system text, then the paper, then the task. The summary and the
+review of one paper therefore share a long token prefix, which a prefix cache (ours, or a cloud
+provider's) computes once."""
+
+from __future__ import annotations
+
+from digest.paper import Paper
+from digest.review import InputBasis
+
+PROMPT_VERSION = "2026-11-29.1"
+
+SUMMARY_MAX_TOKENS = 256
+REVIEW_MAX_TOKENS = 768
+
+SYSTEM = (
+    "You are a careful, fair reviewer writing a nightly digest of new research papers for busy "
+    "engineers. Base every statement only on the paper text you are given; do not invent results, "
+    "numbers or claims. When only the abstract is given, say less rather than guess."
+)
+
+SUMMARY_TASK = (
+    "Task: summarize the paper above in 3 to 5 plain sentences for a technical reader outside the "
+    "field: the problem, the approach, the main result, and why it matters. Plain prose only: no "
+    "lists, no headings, no preamble."
+)
+
+REVIEW_TASK = """Task: review the paper above. Reply with one JSON object and nothing else, with \
+exactly these keys:
+- "summary": one or two sentences on what the paper claims;
+- "strengths", "weaknesses", "questions", "limitations": lists of short strings;
+- "soundness", "presentation", "contribution": integers 1 (poor) to 4 (excellent), or null when \
+the text given is not enough to judge;
+- "overall": integer 1 to 10; "confidence": integer 1 to 5;
+- "decision": "Accept" or "Reject";
+- "input_basis": "{basis}"."""
+
+
+def paper_block(paper: Paper, basis: InputBasis, text: str, truncated: bool = False) -> str:
+    """The paper as the model sees it: metadata, then the abstract or the full text."""
+    lines = [
+        f"Title: {paper.title}",
+        f"Authors: {', '.join(paper.authors)}",
+        f"Categories: {', '.join(paper.categories)}",
+        f"arXiv: {paper.arxiv_id}v{paper.version}",
+        "",
+    ]
+    if basis == "fulltext":
+        note = " (truncated)" if truncated else ""
+        lines += [f"Full text{note}:", text]
+    else:
+        lines += ["Abstract:", text]
+    return "\n".join(lines)
+
+
+def _messages(block: str, task: str) -> list[dict]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"{block}\n\n{task}"},
+    ]
+
+
+def summary_messages(block: str) -> list[dict]:
+    return _messages(block, SUMMARY_TASK)
+
+
+def review_messages(block: str, basis: InputBasis) -> list[dict]:
+    return _messages(block, REVIEW_TASK.format(basis=basis))

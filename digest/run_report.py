@@ -1,0 +1,51 @@
+"""The end-of-run report: what the ops person reads in the log, and the command's exit code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # the run itself failed (source unreachable, lock held, ...)
+EXIT_USAGE = 2
+EXIT_PARTIAL = 3  # the digest was published, but some papers failed; it lists them
+
+
+@dataclass(slots=True)
+class RunReport:
+    run_id: int
+    digest_date: date
+    status: str  # succeeded | partial
+    papers_total: int
+    papers_done: int
+    papers_failed: int
+    calls: int
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    wall_s: float
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (paper id, error)
+    outputs: list[Path] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_OK if self.status == "succeeded" else EXIT_PARTIAL
+
+    @property
+    def completion_tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def lines(self) -> list[str]:
+        out = [
+            f"digest {self.digest_date.isoformat()} (run {self.run_id}): {self.status}",
+            f"  papers: {self.papers_total} listed, {self.papers_done} done, "
+            f"{self.papers_failed} failed",
+            f"  model calls this run: {self.calls}; tokens: {self.prompt_tokens} prompt "
+            f"({self.cached_tokens} cached), {self.completion_tokens} completion",
+            f"  wall time {self.wall_s:.1f} s, {self.completion_tokens_per_s:.1f} "
+            f"completion tokens/s",
+        ]
+        out += [f"  failed: {pid}: {error}" for pid, error in self.failed]
+        out += [f"  wrote {path}" for path in self.outputs]
+        return out

@@ -1,0 +1,1 @@
+"""The digest's SQL store (SQLAlchemy 2.0; SQLite by default, PostgreSQL in production)."""

@@ -1,0 +1,381 @@
+"""What the pipeline and the renderer ask of the database, one short transaction each.
+
+Every result is committed as soon as it exists, so a run killed at any point loses at most the
+calls in flight; the unique constraints make a repeated write a no-op instead of a duplicate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from digest.entries import DailyDigest, DigestEntry
+from digest.paper import Paper
+from digest.review import InputBasis, Review
+from digest.store.schema import (
+    DigestItemRow,
+    FullTextRow,
+    ModelCallRow,
+    PaperRow,
+    ReviewRow,
+    RunRow,
+    SummaryRow,
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkKey:
+    """Which results count as already done: same model, prompt version and input basis."""
+
+    model: str
+    prompt_version: str
+    input_basis: InputBasis
+
+
+@dataclass(slots=True)
+class CallRecord:
+    run_id: int
+    paper_id: str
+    kind: str  # summary | review
+    model: str
+    endpoint: str
+    prompt_version: str
+    input_basis: str
+    max_tokens: int
+    started_at: datetime
+    status: str  # ok | error
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    error: str | None = None
+    attempts: int = 1
+    finish_reason: str | None = None
+
+
+class DigestStore:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._session = sessionmaker(engine, expire_on_commit=False)
+
+    def session(self) -> Session:
+        return self._session()
+
+    # -- runs -------------------------------------------------------------------------------
+
+    def start_run(
+        self, digest_date: date, params: dict, model: str, endpoint: str, prompt_version: str
+    ) -> int:
+        with self._session.begin() as s:
+            run = RunRow(
+                digest_date=digest_date,
+                status="running",
+                params=params,
+                model=model,
+                endpoint=endpoint,
+                prompt_version=prompt_version,
+                started_at=utcnow(),
+            )
+            s.add(run)
+            s.flush()
+            return run.id
+
+    def mark_stale_runs_interrupted(self) -> int:
+        """Runs left 'running' by a process that died; only called while holding the job lock."""
+        with self._session.begin() as s:
+            result = s.execute(
+                update(RunRow)
+                .where(RunRow.status == "running")
+                .values(status="interrupted", finished_at=utcnow())
+            )
+            return result.rowcount
+
+    def finish_run(self, run_id: int, status: str, error: str | None = None) -> RunRow:
+        with self._session.begin() as s:
+            run = s.get(RunRow, run_id)
+            assert run is not None
+            calls = s.execute(
+                select(
+                    func.count(),
+                    func.coalesce(func.sum(ModelCallRow.prompt_tokens), 0),
+                    func.coalesce(func.sum(ModelCallRow.completion_tokens), 0),
+                ).where(ModelCallRow.run_id == run_id)
+            ).one()
+            items = s.execute(
+                select(DigestItemRow.status, func.count())
+                .where(DigestItemRow.digest_date == run.digest_date)
+                .group_by(DigestItemRow.status)
+            ).all()
+            counts = dict(items)
+            run.calls, run.prompt_tokens, run.completion_tokens = calls
+            run.papers_total = sum(counts.values())
+            run.papers_done = counts.get("done", 0)
+            run.papers_failed = run.papers_total - run.papers_done
+            run.status, run.error, run.finished_at = status, error, utcnow()
+            return run
+
+    def runs_for(self, digest_date: date) -> list[RunRow]:
+        with self.session() as s:
+            return list(
+                s.scalars(
+                    select(RunRow).where(RunRow.digest_date == digest_date).order_by(RunRow.id)
+                )
+            )
+
+    # -- papers and the day's list ------------------------------------------------------------
+
+    def upsert_papers(self, papers: list[Paper]) -> None:
+        """Insert new papers; a newer version replaces the stored metadata of the same paper."""
+        now = utcnow()
+        with self._session.begin() as s:
+            for paper in papers:
+                row = s.get(PaperRow, paper.arxiv_id)
+                if row is None:
+                    s.add(
+                        PaperRow(
+                            arxiv_id=paper.arxiv_id,
+                            first_seen_at=now,
+                            last_seen_at=now,
+                            **_paper_fields(paper),
+                        )
+                    )
+                    continue
+                row.last_seen_at = now
+                if paper.version >= row.version:
+                    for key, value in _paper_fields(paper).items():
+                        setattr(row, key, value)
+
+    def add_items(self, digest_date: date, papers: list[Paper], input_basis: InputBasis) -> None:
+        """List the papers under the date; papers already listed keep their place and status."""
+        with self._session.begin() as s:
+            existing = set(
+                s.scalars(
+                    select(DigestItemRow.paper_id).where(DigestItemRow.digest_date == digest_date)
+                )
+            )
+            position = len(existing)
+            for paper in papers:
+                if paper.arxiv_id in existing:
+                    continue
+                existing.add(paper.arxiv_id)
+                s.add(
+                    DigestItemRow(
+                        digest_date=digest_date,
+                        paper_id=paper.arxiv_id,
+                        position=position,
+                        status="pending",
+                        input_basis=input_basis,
+                    )
+                )
+                position += 1
+
+    def items(self, digest_date: date) -> list[tuple[DigestItemRow, Paper]]:
+        with self.session() as s:
+            rows = s.execute(
+                select(DigestItemRow, PaperRow)
+                .join(PaperRow)
+                .where(DigestItemRow.digest_date == digest_date)
+                .order_by(DigestItemRow.position)
+            ).all()
+            return [(item, _paper(paper)) for item, paper in rows]
+
+    def set_item(
+        self,
+        digest_date: date,
+        paper_id: str,
+        status: str,
+        run_id: int,
+        input_basis: InputBasis,
+        error: str | None = None,
+    ) -> None:
+        with self._session.begin() as s:
+            s.execute(
+                update(DigestItemRow)
+                .where(DigestItemRow.digest_date == digest_date, DigestItemRow.paper_id == paper_id)
+                .values(status=status, error=error, last_run_id=run_id, input_basis=input_basis)
+            )
+
+    # -- full texts ----------------------------------------------------------------------------
+
+    def fulltext(self, paper: Paper) -> FullTextRow | None:
+        with self.session() as s:
+            return s.get(FullTextRow, (paper.arxiv_id, paper.version))
+
+    def save_fulltext(
+        self, paper: Paper, text: str | None, truncated: bool, original_chars: int
+    ) -> None:
+        row = FullTextRow(
+            paper_id=paper.arxiv_id,
+            paper_version=paper.version,
+            text=text,
+            truncated=truncated,
+            original_chars=original_chars,
+            fetched_at=utcnow(),
+        )
+        self._insert_once(row)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def summary(self, paper_id: str, key: WorkKey) -> SummaryRow | None:
+        return self._result(SummaryRow, paper_id, key)
+
+    def review(self, paper_id: str, key: WorkKey) -> ReviewRow | None:
+        return self._result(ReviewRow, paper_id, key)
+
+    def save_summary(self, paper: Paper, key: WorkKey, text: str, run_id: int) -> None:
+        self._insert_once(
+            SummaryRow(
+                paper_id=paper.arxiv_id,
+                paper_version=paper.version,
+                model=key.model,
+                prompt_version=key.prompt_version,
+                input_basis=key.input_basis,
+                text=text,
+                run_id=run_id,
+                created_at=utcnow(),
+            )
+        )
+
+    def save_review(
+        self,
+        paper: Paper,
+        key: WorkKey,
+        review: Review | None,
+        parse_status: str,
+        raw_text: str,
+        parse_error: str | None,
+        run_id: int,
+    ) -> None:
+        self._insert_once(
+            ReviewRow(
+                paper_id=paper.arxiv_id,
+                paper_version=paper.version,
+                model=key.model,
+                prompt_version=key.prompt_version,
+                input_basis=key.input_basis,
+                parse_status=parse_status,
+                review=review.model_dump() if review else None,
+                raw_text=raw_text,
+                parse_error=parse_error,
+                overall=review.overall if review else None,
+                decision=review.decision if review else None,
+                run_id=run_id,
+                created_at=utcnow(),
+            )
+        )
+
+    def record_call(self, call: CallRecord) -> None:
+        with self._session.begin() as s:
+            s.add(ModelCallRow(**{f: getattr(call, f) for f in CallRecord.__slots__}))
+
+    def calls(self, run_id: int | None = None) -> list[ModelCallRow]:
+        with self.session() as s:
+            query = select(ModelCallRow).order_by(ModelCallRow.id)
+            if run_id is not None:
+                query = query.where(ModelCallRow.run_id == run_id)
+            return list(s.scalars(query))
+
+    # -- reading a digest back ----------------------------------------------------------------
+
+    def load_digest(
+        self, digest_date: date, model: str | None = None, prompt_version: str | None = None
+    ) -> DailyDigest | None:
+        """The digest of a date as last produced: the latest run's model and prompt version
+        unless given. None when the date has no papers."""
+        runs = self.runs_for(digest_date)
+        items = self.items(digest_date)
+        if not items:
+            return None
+        last = runs[-1] if runs else None
+        model = model or (last.model if last else "")
+        prompt_version = prompt_version or (last.prompt_version if last else "")
+        generated_at = (last.finished_at or last.started_at) if last else utcnow()
+        digest = DailyDigest(digest_date, model, prompt_version, _as_utc(generated_at))
+        for item, paper in items:
+            key = WorkKey(model, prompt_version, item.input_basis)  # type: ignore[arg-type]
+            digest.entries.append(self._entry(item, paper, key))
+        return digest
+
+    def digest_dates(self, limit: int = 30) -> list[date]:
+        with self.session() as s:
+            return list(
+                s.scalars(
+                    select(DigestItemRow.digest_date)
+                    .distinct()
+                    .order_by(DigestItemRow.digest_date.desc())
+                    .limit(limit)
+                )
+            )
+
+    def _entry(self, item: DigestItemRow, paper: Paper, key: WorkKey) -> DigestEntry:
+        summary = self.summary(paper.arxiv_id, key)
+        review = self.review(paper.arxiv_id, key)
+        status = item.status if item.status in ("done", "failed") else "pending"
+        return DigestEntry(
+            paper=paper,
+            status=status,
+            summary=summary.text if summary else None,  # type: ignore[arg-type]
+            review=Review.model_validate(review.review) if review and review.review else None,
+            review_raw=review.raw_text if review else None,
+            review_parse_status=review.parse_status if review else None,  # type: ignore[arg-type]
+            input_basis=key.input_basis,
+            error=item.error,
+        )
+
+    def _result(self, table, paper_id: str, key: WorkKey):  # noqa: ANN001, ANN202
+        with self.session() as s:
+            return s.scalars(
+                select(table).where(
+                    table.paper_id == paper_id,
+                    table.model == key.model,
+                    table.prompt_version == key.prompt_version,
+                    table.input_basis == key.input_basis,
+                )
+            ).first()
+
+    def _insert_once(self, row: object) -> None:
+        try:
+            with self._session.begin() as s:
+                s.add(row)
+        except IntegrityError:
+            pass  # already stored by an earlier (interrupted) run: keep the first
+
+
+def _paper_fields(paper: Paper) -> dict:
+    return {
+        "version": paper.version,
+        "title": paper.title,
+        "abstract": paper.abstract,
+        "authors": list(paper.authors),
+        "categories": list(paper.categories),
+        "published": paper.published,
+        "updated": paper.updated,
+    }
+
+
+def _paper(row: PaperRow) -> Paper:
+    return Paper(
+        arxiv_id=row.arxiv_id,
+        title=row.title,
+        abstract=row.abstract,
+        authors=list(row.authors),
+        categories=list(row.categories),
+        version=row.version,
+        published=_as_utc(row.published),
+        updated=_as_utc(row.updated),
+    )
+
+
+def _as_utc(value: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes; they were written as UTC.
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)

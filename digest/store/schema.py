@@ -1,0 +1,177 @@
+"""Tables of the digest store. Migrations in `migrations/versions/` create exactly these.
+
+Unique constraints carry idempotency: a paper is one row whatever its version; a date lists a paper
+once; a paper has at most one summary and one review per (model, prompt version, input basis), so a
+rerun finds the work already done instead of calling the model again."""
+
+from __future__ import annotations
+
+from datetime import date, datetime
+
+from sqlalchemy import (
+    JSON,
+    Date,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names, so that migrations can address them on every database.
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+UtcDateTime = DateTime(timezone=True)
+
+
+class PaperRow(Base):
+    __tablename__ = "papers"
+
+    arxiv_id: Mapped[str] = mapped_column(String(64), primary_key=True)  # without version
+    version: Mapped[int] = mapped_column(Integer)
+    title: Mapped[str] = mapped_column(Text)
+    abstract: Mapped[str] = mapped_column(Text)
+    authors: Mapped[list] = mapped_column(JSON)
+    categories: Mapped[list] = mapped_column(JSON)
+    published: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    updated: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    first_seen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    last_seen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class RunRow(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    digest_date: Mapped[date] = mapped_column(Date, index=True)
+    # running | succeeded | partial | failed | interrupted
+    status: Mapped[str] = mapped_column(String(16))
+    params: Mapped[dict] = mapped_column(JSON)
+    model: Mapped[str] = mapped_column(String(200))
+    endpoint: Mapped[str] = mapped_column(String(500))
+    prompt_version: Mapped[str] = mapped_column(String(64))
+    papers_total: Mapped[int] = mapped_column(Integer, default=0)
+    papers_done: Mapped[int] = mapped_column(Integer, default=0)
+    papers_failed: Mapped[int] = mapped_column(Integer, default=0)
+    calls: Mapped[int] = mapped_column(Integer, default=0)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class DigestItemRow(Base):
+    """A paper listed in the digest of a date, with its processing status."""
+
+    __tablename__ = "digest_items"
+    __table_args__ = (UniqueConstraint("digest_date", "paper_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    digest_date: Mapped[date] = mapped_column(Date, index=True)
+    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
+    position: Mapped[int] = mapped_column(Integer)  # order in the source
+    status: Mapped[str] = mapped_column(String(16))  # pending | done | failed
+    input_basis: Mapped[str] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    last_run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"))
+
+
+class FullTextRow(Base):
+    """The plain text a fulltext prompt was built from, kept so that a resumed run sends the same
+    prompt as the run it continues (and arXiv is not fetched twice)."""
+
+    __tablename__ = "fulltexts"
+
+    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"), primary_key=True)
+    paper_version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    text: Mapped[str | None] = mapped_column(Text)  # None: not available, abstract used
+    truncated: Mapped[bool] = mapped_column(default=False)
+    original_chars: Mapped[int] = mapped_column(Integer, default=0)
+    fetched_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class SummaryRow(Base):
+    __tablename__ = "summaries"
+    __table_args__ = (UniqueConstraint("paper_id", "model", "prompt_version", "input_basis"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
+    paper_version: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(200))
+    prompt_version: Mapped[str] = mapped_column(String(64))
+    input_basis: Mapped[str] = mapped_column(String(16))
+    text: Mapped[str] = mapped_column(Text)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class ReviewRow(Base):
+    __tablename__ = "reviews"
+    __table_args__ = (UniqueConstraint("paper_id", "model", "prompt_version", "input_basis"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
+    paper_version: Mapped[int] = mapped_column(Integer)
+    model: Mapped[str] = mapped_column(String(200))
+    prompt_version: Mapped[str] = mapped_column(String(64))
+    input_basis: Mapped[str] = mapped_column(String(16))
+    parse_status: Mapped[str] = mapped_column(String(16))  # ok | repaired | failed
+    review: Mapped[dict | None] = mapped_column(JSON)  # the validated review
+    raw_text: Mapped[str] = mapped_column(Text)  # the reply as received
+    parse_error: Mapped[str | None] = mapped_column(Text)
+    overall: Mapped[int | None] = mapped_column(Integer)
+    decision: Mapped[str | None] = mapped_column(String(16))
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class ModelCallRow(Base):
+    """One model call as the workload tools replay it: real token lengths and timings."""
+
+    __tablename__ = "model_calls"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), index=True)
+    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
+    kind: Mapped[str] = mapped_column(String(16))  # summary | review
+    model: Mapped[str] = mapped_column(String(200))
+    endpoint: Mapped[str] = mapped_column(String(500))
+    prompt_version: Mapped[str] = mapped_column(String(64))
+    input_basis: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    max_tokens: Mapped[int] = mapped_column(Integer)
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    latency_s: Mapped[float | None] = mapped_column(Float)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    status: Mapped[str] = mapped_column(String(16))  # ok | error
+    error: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=1)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+
+
+class JobLockRow(Base):
+    """A lease: who runs the job now. Portable across SQLite and PostgreSQL (no advisory locks)."""
+
+    __tablename__ = "job_locks"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    acquired_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime)

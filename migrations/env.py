@@ -1,0 +1,28 @@
+"""Alembic environment: the connection comes from `digest.store.migrate` (config attribute), so the
+same code path serves `nightshift db ...`, `digest run` and the tests."""
+
+from __future__ import annotations
+
+from alembic import context
+
+from digest.store.schema import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes["connection"]
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        # SQLite cannot ALTER most things in place; batch mode copies the table instead.
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+if context.is_offline_mode():
+    raise SystemExit("offline (SQL script) migrations are not supported; give a database URL")
+run_migrations_online()

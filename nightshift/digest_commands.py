@@ -1,0 +1,306 @@
+"""`nightshift digest run|schedule|render` and `nightshift db upgrade|downgrade|current`.
+
+Errors a user can fix end in one line naming the problem and a non-zero exit code: 1 the run
+failed, 2 bad arguments or configuration, 3 the digest was published with some papers failed."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from digest.run_report import EXIT_FAILED, EXIT_USAGE
+
+log = logging.getLogger("nightshift")
+
+digest_app = typer.Typer(no_args_is_help=True, help="The nightly paper digest.")
+db_app = typer.Typer(no_args_is_help=True, help="Digest database migrations (Alembic).")
+
+SAMPLE = "examples/papers-2026-03-sample.jsonl"
+
+DateOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--date",
+        help="The digest's date, YYYY-MM-DD. Default: yesterday (UTC) for --source arxiv, "
+        "whose query takes that day's submissions; today (UTC) otherwise.",
+    ),
+]
+CategoriesOpt = Annotated[str, typer.Option(help="arXiv categories, comma-separated.")]
+MaxPapersOpt = Annotated[int | None, typer.Option(help="Take at most this many papers.")]
+SourceOpt = Annotated[str, typer.Option(help="arxiv (query API), rss (announcements), or FILE.")]
+InputOpt = Annotated[str, typer.Option("--input", help="abstract or fulltext (arXiv HTML).")]
+EndpointOpt = Annotated[
+    str, typer.Option(help="'local' (start our server) or an OpenAI-compatible base URL.")
+]
+ModelOpt = Annotated[str | None, typer.Option(help="Model name (required with a URL).")]
+KeyEnvOpt = Annotated[
+    str | None, typer.Option(help="Environment variable holding the endpoint's API key.")
+]
+ConcurrencyOpt = Annotated[int, typer.Option(help="Model requests in flight.")]
+DbOpt = Annotated[
+    str | None,
+    typer.Option("--db", help="Database URL. Default: $NIGHTSHIFT_DATABASE_URL or SQLite."),
+]
+OutOpt = Annotated[
+    Path | None,
+    typer.Option("--out", help="Output folder. Default: $NIGHTSHIFT_DIGEST_DIR or cache dir."),
+]
+CrossOpt = Annotated[bool, typer.Option(help="rss: keep cross-listed announcements too.")]
+MaxCharsOpt = Annotated[int, typer.Option(help="fulltext: truncate the text to this length.")]
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _digest_date(value: str | None, source: str) -> date:
+    if value is None:
+        today = datetime.now(UTC).date()
+        return today - timedelta(days=1) if source == "arxiv" else today
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise _fail(f"--date must be YYYY-MM-DD, not {value!r}", EXIT_USAGE) from None
+
+
+def _out_dir(value: Path | None) -> Path:
+    import os
+
+    from engine.model_fetch import nightshift_home
+
+    if value is not None:
+        return value
+    if env := os.environ.get("NIGHTSHIFT_DIGEST_DIR"):
+        return Path(env)
+    return nightshift_home() / "digests"
+
+
+def _run_options(
+    day: date,
+    categories: str,
+    max_papers: int | None,
+    source: str,
+    input_mode: str,
+    endpoint: str,
+    model: str | None,
+    api_key_env: str | None,
+    concurrency: int,
+    db: str | None,
+    out: Path | None,
+    include_cross: bool,
+    max_input_chars: int,
+):  # noqa: ANN202 - RunOptions, imported lazily
+    from digest.pipeline import RunOptions
+
+    if input_mode not in ("abstract", "fulltext"):
+        raise _fail(f"--input must be abstract or fulltext, not {input_mode!r}", EXIT_USAGE)
+    if concurrency < 1:
+        raise _fail("--concurrency must be at least 1", EXIT_USAGE)
+    if max_papers is not None and max_papers < 1:
+        raise _fail("--max-papers must be at least 1", EXIT_USAGE)
+    cats = [c.strip() for c in categories.split(",") if c.strip()]
+    if not cats:
+        raise _fail("--categories names no category", EXIT_USAGE)
+    return RunOptions(
+        digest_date=day,
+        out_dir=_out_dir(out),
+        categories=cats,
+        max_papers=max_papers,
+        source=source,
+        input_mode=input_mode,
+        endpoint=endpoint,
+        model=model,  # type: ignore[arg-type]
+        api_key_env=api_key_env,
+        concurrency=concurrency,
+        db_url=db,
+        include_cross=include_cross,
+        max_input_chars=max_input_chars,
+    )
+
+
+@digest_app.command("run")
+def digest_run(
+    date_: DateOpt = None,
+    categories: CategoriesOpt = "cs.CL,cs.LG",
+    max_papers: MaxPapersOpt = None,
+    source: SourceOpt = "arxiv",
+    input_mode: InputOpt = "abstract",
+    endpoint: EndpointOpt = "local",
+    model: ModelOpt = None,
+    api_key_env: KeyEnvOpt = None,
+    concurrency: ConcurrencyOpt = 4,
+    db: DbOpt = None,
+    out: OutOpt = None,
+    include_cross: CrossOpt = False,
+    max_input_chars: MaxCharsOpt = 24_000,
+) -> None:
+    """Fetch the day's papers, summarize and review each, store, and publish the digest."""
+    from digest.progress import paper_progress
+
+    options = _run_options(
+        _digest_date(date_, source),
+        categories,
+        max_papers,
+        source,
+        input_mode,
+        endpoint,
+        model,
+        api_key_env,
+        concurrency,
+        db,
+        out,
+        include_cross,
+        max_input_chars,
+    )
+    report = _guarded(lambda: _run_with_progress(options, paper_progress))
+    for line in report.lines():
+        typer.echo(line)
+    raise typer.Exit(report.exit_code)
+
+
+def _run_with_progress(options, paper_progress):  # noqa: ANN001, ANN202
+    from digest.pipeline import run_digest
+
+    with paper_progress() as progress:
+        return run_digest(options, progress)
+
+
+def _guarded(action):  # noqa: ANN001, ANN202
+    """Run `action`, turning the errors a user can act on into one line and an exit code."""
+    from digest.endpoint import EndpointError
+    from digest.sources.polite_http import SourceError, SourceUnreachable
+    from digest.store.database import StoreError
+    from digest.store.job_lock import LockHeld
+    from engine.server.server_process import ServerStartError
+
+    try:
+        return action()
+    except SourceUnreachable as exc:
+        raise _fail(
+            f"{exc}\nNo network? Run from a local file instead: --source FILE (arXiv Atom, JSON "
+            f"or JSONL with id, title, abstract, authors, categories), e.g. --source {SAMPLE}",
+            EXIT_FAILED,
+        ) from None
+    except (SourceError, LockHeld, ServerStartError, LookupError) as exc:
+        raise _fail(str(exc), EXIT_FAILED) from None
+    except (EndpointError, StoreError) as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+
+
+@digest_app.command("render")
+def digest_render(
+    date_: DateOpt = None,
+    db: DbOpt = None,
+    out: OutOpt = None,
+) -> None:
+    """Write a date's pages (and refresh feed and index) from the database; no model calls."""
+    from digest.pipeline import render_date
+    from digest.store import migrate
+    from digest.store.database import open_database
+    from digest.store.digest_store import DigestStore
+
+    def render() -> list[Path]:
+        engine = open_database(db)
+        migrate.upgrade(engine)
+        store = DigestStore(engine)
+        day = _digest_date(date_, "render") if date_ else (store.digest_dates(1) or [None])[0]
+        if day is None:
+            raise LookupError("the store holds no digest yet; run `nightshift digest run` first")
+        return render_date(store, day, _out_dir(out))
+
+    for path in _guarded(render):
+        typer.echo(f"wrote {path}")
+
+
+@digest_app.command("schedule")
+def digest_schedule(
+    at: Annotated[str, typer.Option(help="Local time of the nightly run, HH:MM.")] = "02:00",
+    timezone: Annotated[str, typer.Option(help="IANA timezone of --at.")] = "UTC",
+    misfire_grace_time: Annotated[
+        int, typer.Option(help="Seconds a missed run may still start late.")
+    ] = 3600,
+    categories: CategoriesOpt = "cs.CL,cs.LG",
+    max_papers: MaxPapersOpt = None,
+    source: SourceOpt = "arxiv",
+    input_mode: InputOpt = "abstract",
+    endpoint: EndpointOpt = "local",
+    model: ModelOpt = None,
+    api_key_env: KeyEnvOpt = None,
+    concurrency: ConcurrencyOpt = 4,
+    db: DbOpt = None,
+    out: OutOpt = None,
+    include_cross: CrossOpt = False,
+    max_input_chars: MaxCharsOpt = 24_000,
+) -> None:
+    """Run the digest every night at --at (yesterday's papers); runs until stopped."""
+    from digest.schedule import ScheduleError, ScheduleOptions, build_scheduler
+
+    options = _run_options(
+        date.today(),
+        categories,
+        max_papers,
+        source,
+        input_mode,
+        endpoint,
+        model,
+        api_key_env,
+        concurrency,
+        db,
+        out,
+        include_cross,
+        max_input_chars,
+    )
+    try:
+        scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
+    except ScheduleError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    job = scheduler.get_jobs()[0]
+    log.info("digest scheduler: %s; next run %s", job.trigger, job.next_run_time)
+    try:
+        scheduler.start()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+
+
+def _database(db: str | None):  # noqa: ANN202 - a SQLAlchemy Engine
+    from digest.store.database import StoreError, open_database
+
+    try:
+        return open_database(db)
+    except StoreError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: str = "head", db: DbOpt = None) -> None:
+    """Migrate the database up to REVISION (default: the newest)."""
+    from digest.store import migrate
+
+    engine = _database(db)
+    migrate.upgrade(engine, revision)
+    typer.echo(f"database at {migrate.current_revision(engine)}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: str = "-1", db: DbOpt = None) -> None:
+    """Migrate the database down to REVISION (default: one step; 'base' empties it)."""
+    from digest.store import migrate
+
+    engine = _database(db)
+    migrate.downgrade(engine, revision)
+    typer.echo(f"database at {migrate.current_revision(engine) or 'base'}")
+
+
+@db_app.command("current")
+def db_current(db: DbOpt = None) -> None:
+    """Print the database's migration revision and the newest one available."""
+    from digest.store import migrate
+
+    engine = _database(db)
+    current = migrate.current_revision(engine) or "base (empty)"
+    typer.echo(f"current: {current}\nhead:    {migrate.head_revision()}")

@@ -1,0 +1,174 @@
+"""The digest run end to end: a local paper file in, a fault-injecting OpenAI-compatible stub (or
+our real server with a tiny model) for the model, SQLite and PostgreSQL for the store."""
+
+from __future__ import annotations
+
+import json
+from datetime import date
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from digest.pipeline import RunOptions, run_digest
+from digest.prompts import SYSTEM
+from digest.sources.polite_http import PoliteHttpConfig
+from digest.store.database import open_database
+from digest.store.digest_store import DigestStore
+from digest.store.schema import ModelCallRow, ReviewRow, SummaryRow
+from tests.digest.fault_server import Fault, FaultServer
+
+DAY = date(2026, 3, 10)
+TITLES = [
+    "Sparse Attention for <script>alert(1)</script> Long Contexts",
+    "Scaling Laws for $\\alpha$-Divergence Training",
+    "A Benchmark for Paper Reviewing Agents",
+    "Tokenizer-Free Language Models",
+]
+
+
+def write_papers(path: Path, titles: list[str] = TITLES) -> Path:
+    with path.open("w") as f:
+        for n, title in enumerate(titles, 1):
+            paper = {
+                "id": f"2603.{n:05d}v1",
+                "title": title,
+                "abstract": f"We study {title.lower()}. Our method improves $x^2 < y$ by 3%.",
+                "authors": ["Ada Lovelace", "Alan Turing"],
+                "categories": ["cs.CL", "cs.LG"],
+            }
+            f.write(json.dumps(paper) + "\n")
+    return path
+
+
+def options(tmp_path: Path, db_url: str, base_url: str, **overrides) -> RunOptions:
+    fields = dict(
+        digest_date=DAY,
+        out_dir=tmp_path / "out",
+        source=str(write_papers(tmp_path / "papers.jsonl")),
+        endpoint=base_url,
+        model="stub-model",
+        concurrency=2,
+        db_url=db_url,
+        http=PoliteHttpConfig(min_interval_s=0.0, max_retries=1, backoff_s=0.01),
+        chat_retries=2,
+        chat_backoff_s=0.01,
+        chat_read_timeout_s=5.0,
+    )
+    fields.update(overrides)
+    return RunOptions(**fields)
+
+
+def count(db_url: str, table) -> int:
+    with open_database(db_url).connect() as conn:
+        return conn.execute(select(func.count()).select_from(table)).scalar_one()
+
+
+def test_run_stores_everything_then_a_rerun_calls_nothing(tmp_path, db_url):
+    with FaultServer() as stub:
+        first = run_digest(options(tmp_path, db_url, stub.base_url))
+        assert (first.status, first.exit_code) == ("succeeded", 0)
+        assert (first.papers_total, first.papers_done, first.calls) == (4, 4, 8)
+        assert len(stub.requests) == 8
+        # Summary and review of a paper share the system text and the paper; the task is last.
+        by_title: dict[str, list[str]] = {}
+        for body in stub.requests:
+            assert body["messages"][0] == {"role": "system", "content": SYSTEM}
+            user = body["messages"][1]["content"]
+            by_title.setdefault(user.split("\n")[0], []).append(user)
+        for summary, review in (sorted(v, key=len) for v in by_title.values()):
+            prefix = summary[: summary.index("Task:")]
+            assert review.startswith(prefix) and len(prefix) > 100
+        assert all(b["stream"] and b["temperature"] == 0.0 for b in stub.requests)
+        reviews = [b for b in stub.requests if "response_format" in b]
+        assert len(reviews) == 4
+
+        html_before = (tmp_path / "out" / f"digest-{DAY}.html").read_bytes()
+        second = run_digest(options(tmp_path, db_url, stub.base_url))
+        assert len(stub.requests) == 8, "a rerun must not call the model again"
+        assert (second.status, second.calls, second.papers_done) == ("succeeded", 0, 4)
+
+    assert count(db_url, SummaryRow) == 4 and count(db_url, ReviewRow) == 4
+    assert count(db_url, ModelCallRow) == 8
+    store = DigestStore(open_database(db_url))
+    calls = store.calls()
+    assert {c.kind for c in calls} == {"summary", "review"}
+    for call in calls:
+        assert call.status == "ok" and call.attempts == 1 and call.model == "stub-model"
+        assert call.prompt_tokens > 50 and call.completion_tokens > 5
+        assert call.ttft_s is not None and 0 <= call.ttft_s <= call.latency_s
+        assert call.endpoint == stub.base_url and call.prompt_version
+    digest = store.load_digest(DAY)
+    assert [e.paper.title for e in digest.entries] == TITLES
+    assert all(e.review is not None and e.review_parse_status == "ok" for e in digest.entries)
+    assert all(e.summary.count(".") == 3 for e in digest.entries)
+    html = (tmp_path / "out" / f"digest-{DAY}.html").read_bytes()
+    assert b"<script>alert(1)</script>" not in html
+    # The pages depend only on stored data: the rerun rewrote them identically.
+    assert html.replace(b"\n", b"") != b"" and _without_times(html) == _without_times(html_before)
+
+
+def _without_times(page: bytes) -> bytes:
+    import re
+
+    return re.sub(rb"\d{4}-\d\d-\d\d[ T]\d\d:\d\d(:\d\d)?(\.\d+)?(\+00:00|Z| UTC)?", b"T", page)
+
+
+def test_a_failing_paper_is_marked_and_the_rerun_finishes_it(tmp_path, db_url):
+    broken = TITLES[2]
+    with FaultServer(faults=[Fault("status", status=500, match=broken, times=-1)]) as stub:
+        report = run_digest(options(tmp_path, db_url, stub.base_url))
+        assert (report.status, report.exit_code) == ("partial", 3)
+        assert (report.papers_done, report.papers_failed) == (3, 1)
+        assert report.failed[0][0] == "2603.00003" and "500" in report.failed[0][1]
+        attempts = [b for b in stub.requests if broken in json.dumps(b)]
+        assert len(attempts) == 3  # first try + 2 retries, then the paper is given up
+    store = DigestStore(open_database(db_url))
+    errors = [c for c in store.calls() if c.status == "error"]
+    assert len(errors) == 1 and errors[0].attempts == 3 and "500" in errors[0].error
+    html = (tmp_path / "out" / f"digest-{DAY}.html").read_text()
+    assert "Not processed" in html and "2603.00003" in html
+
+    with FaultServer() as healthy:
+        again = run_digest(options(tmp_path, db_url, healthy.base_url))
+        assert len(healthy.requests) == 2  # only the failed paper's summary and review
+    assert (again.status, again.papers_done, again.exit_code) == ("succeeded", 4, 0)
+    assert [r.status for r in store.runs_for(DAY)] == ["partial", "succeeded"]
+
+
+def test_unparseable_review_is_kept_raw(tmp_path, sqlite_url):
+    faults = [Fault("invalid_review", match=TITLES[1], times=-1)]
+    with FaultServer(faults=faults) as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url))
+    assert report.status == "succeeded"
+    entry = DigestStore(open_database(sqlite_url)).load_digest(DAY).entries[1]
+    assert entry.review is None and entry.review_parse_status == "failed"
+    assert "cannot produce a structured review" in entry.review_raw
+    assert (
+        "cannot produce a structured review"
+        in (tmp_path / "out" / f"digest-{DAY}.html").read_text()
+    )
+
+
+def test_server_without_json_schema_gets_plain_requests(tmp_path, sqlite_url):
+    with FaultServer(faults=[Fault("reject_response_format", times=-1)]) as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url, concurrency=1))
+        # One rejected request teaches the client; later reviews go without response_format.
+        with_format = [b for b in stub.requests if "response_format" in b]
+        assert len(with_format) == 1
+    assert report.papers_done == 4
+    digest = DigestStore(open_database(sqlite_url)).load_digest(DAY)
+    assert all(e.review is not None for e in digest.entries)
+
+
+def test_bad_endpoint_options_fail_before_any_work(tmp_path, sqlite_url):
+    from digest.endpoint import EndpointError
+
+    with pytest.raises(EndpointError, match="--model is required"):
+        run_digest(options(tmp_path, sqlite_url, "http://127.0.0.1:9/v1", model=None))
+    with pytest.raises(EndpointError, match="OPENAI_KEY_FOR_TEST"):
+        run_digest(
+            options(
+                tmp_path, sqlite_url, "http://127.0.0.1:9/v1", api_key_env="OPENAI_KEY_FOR_TEST"
+            )
+        )
