@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from nightshift.digest_commands import db_app, digest_app
+
 app = typer.Typer(name="nightshift", no_args_is_help=True, help="Self-hosted LLM inference.")
 
 
@@ -193,11 +195,8 @@ def bench_serve(
             json.dump(report, f, indent=2)
 
 
-if __name__ == "__main__":
-    app()
-
-
-from nightshift.digest_commands import db_app, digest_app  # noqa: E402 - registered last
-
 app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
+
+if __name__ == "__main__":
+    app()

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine import gguf_convert
 from engine import model_fetch as mf
 from engine.errors import ModelLoadError
 
@@ -114,7 +115,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 
     w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)
     for n_head in (1, 3):
-        assert np.array_equal(mf._unpermute_rope(llama_cpp_permute(w, n_head), n_head), w)
+        assert np.array_equal(gguf_convert._unpermute_rope(llama_cpp_permute(w, n_head), n_head), w)
 
 
 def test_real_default_model_converts_to_hf_llama() -> None:
