@@ -6,6 +6,7 @@ failed, 2 bad arguments or configuration, 3 the digest was published with some p
 from __future__ import annotations
 
 import logging
+import os
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
@@ -69,8 +70,6 @@ def _digest_date(value: str | None, source: str) -> date:
 
 
 def _out_dir(value: Path | None) -> Path:
-    import os
-
     from engine.model_fetch import nightshift_home
 
     if value is not None:
@@ -120,6 +119,9 @@ def _run_options(
         db_url=db,
         include_cross=include_cross,
         max_input_chars=max_input_chars,
+        # A mirror or proxy of the arXiv endpoints (and the tests' unreachable host).
+        arxiv_api_url=os.environ.get("NIGHTSHIFT_ARXIV_API_URL"),
+        arxiv_rss_url=os.environ.get("NIGHTSHIFT_ARXIV_RSS_URL"),
     )
 
 
@@ -277,7 +279,9 @@ def _database(db: str | None):  # noqa: ANN202 - a SQLAlchemy Engine
 
 
 @db_app.command("upgrade")
-def db_upgrade(revision: str = "head", db: DbOpt = None) -> None:
+def db_upgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision.")] = "head", db: DbOpt = None
+) -> None:
     """Migrate the database up to REVISION (default: the newest)."""
     from digest.store import migrate
 
@@ -287,7 +291,10 @@ def db_upgrade(revision: str = "head", db: DbOpt = None) -> None:
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: str = "-1", db: DbOpt = None) -> None:
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision or base.")] = "-1",
+    db: DbOpt = None,
+) -> None:
     """Migrate the database down to REVISION (default: one step; 'base' empties it)."""
     from digest.store import migrate
 

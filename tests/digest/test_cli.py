@@ -1,0 +1,128 @@
+"""`nightshift digest ...` and `nightshift db ...` as a user calls them: exit codes, messages,
+re-rendering without the model, migrations from the command line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from typer.testing import CliRunner
+
+from nightshift.cli import app
+from tests.digest.fault_server import Fault, FaultServer
+from tests.digest.test_pipeline import DAY, write_papers
+
+runner = CliRunner()
+
+
+def _run_args(tmp_path, db_url: str, base_url: str) -> list[str]:
+    papers = write_papers(tmp_path / "papers.jsonl")
+    return [
+        "digest",
+        "run",
+        "--date",
+        DAY.isoformat(),
+        "--source",
+        str(papers),
+        "--endpoint",
+        base_url,
+        "--model",
+        "stub-model",
+        "--db",
+        db_url,
+        "--out",
+        str(tmp_path / "out"),
+    ]
+
+
+def test_no_network_fails_fast_and_says_how_to_use_a_file(tmp_path):
+    # `.invalid` never resolves (RFC 6761): what a machine without network sees for arXiv.
+    env = {"NIGHTSHIFT_ARXIV_API_URL": "http://export.arxiv.invalid/api/query"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "nightshift.cli",
+        "digest",
+        "run",
+        "--db",
+        f"sqlite:///{tmp_path / 'd.db'}",
+        "--out",
+        str(tmp_path / "out"),
+    ]
+    start = time.monotonic()
+    result = subprocess.run(
+        cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr
+    assert "No network?" in result.stderr and "--source FILE" in result.stderr
+    assert "export.arxiv.invalid" in result.stderr
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    assert not (tmp_path / "out").exists()
+
+
+def test_partial_success_exit_code_and_render_without_model(tmp_path, sqlite_url):
+    faults = [Fault("status", status=503, match="Tokenizer-Free", times=-1)]
+    with FaultServer(faults=faults) as stub:
+        result = runner.invoke(
+            app, _run_args(tmp_path, sqlite_url, stub.base_url) + ["--concurrency", "2"]
+        )
+        calls = len(stub.requests)
+    assert result.exit_code == 3, result.output
+    assert "partial" in result.output and "failed: 2603.00004" in result.output
+    page = tmp_path / "out" / f"digest-{DAY}.html"
+    before = page.read_bytes()
+    page.unlink()
+    (tmp_path / "out" / "feed.xml").unlink()
+
+    rendered = runner.invoke(
+        app,
+        [
+            "digest",
+            "render",
+            "--date",
+            DAY.isoformat(),
+            "--db",
+            sqlite_url,
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
+    assert rendered.exit_code == 0, rendered.output
+    assert page.read_bytes() == before and (tmp_path / "out" / "feed.xml").exists()
+    assert calls > 0  # (the stub is gone: rendering made no model call)
+
+
+def test_bad_arguments_exit_2_with_a_clear_message(tmp_path, sqlite_url):
+    cases = [
+        (["--date", "2026-13-01"], "--date must be YYYY-MM-DD"),
+        (["--input", "pdf"], "--input must be abstract or fulltext"),
+        (["--endpoint", "ftp://x"], "--endpoint must be 'local' or an http(s) URL"),
+        (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--db", "nonsense"], "not a database URL"),
+    ]
+    for extra, message in cases:
+        args = _run_args(tmp_path, sqlite_url, "http://127.0.0.1:9/v1") + extra
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.output, (extra, result.output)
+
+
+def test_render_of_an_empty_store_says_so(tmp_path, sqlite_url):
+    result = runner.invoke(
+        app, ["digest", "render", "--db", sqlite_url, "--out", str(tmp_path / "out")]
+    )
+    assert result.exit_code == 1 and "no digest yet" in result.output
+
+
+def test_db_commands(sqlite_url):
+    result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
+    assert result.exit_code == 0 and "current: base (empty)" in result.output
+    result = runner.invoke(app, ["db", "upgrade", "--db", sqlite_url])
+    assert result.exit_code == 0 and "database at 0001" in result.output
+    result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
+    assert "current: 0001" in result.output and "head:    0001" in result.output
+    result = runner.invoke(app, ["db", "downgrade", "base", "--db", sqlite_url])
+    assert result.exit_code == 0 and "database at base" in result.output

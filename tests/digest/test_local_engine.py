@@ -1,0 +1,57 @@
+"""The digest against our real engine: `--endpoint local` starts `nightshift serve` (a tiny
+random model with the default tokenizer) on loopback, the calls go through it, and it stops."""
+
+from __future__ import annotations
+
+import shutil
+
+from digest.pipeline import run_digest
+from digest.store.database import open_database
+from digest.store.digest_store import DigestStore
+from engine.model_fetch import fetch_default_model
+from tests.digest.test_pipeline import DAY, options
+from tests.engine.tiny_models import build_tiny_model
+
+
+def test_local_endpoint_runs_our_server(tmp_path, sqlite_url):
+    model = build_tiny_model(
+        "llama",
+        tmp_path / "tiny",
+        vocab_size=49152,
+        eos_token_id=2,
+        bos_token_id=1,
+        max_position_embeddings=2048,
+    )
+    default = fetch_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (default / name).exists():
+            shutil.copy(default / name, model / name)
+    run = options(
+        tmp_path,
+        sqlite_url,
+        "local",
+        model=None,
+        local_model=str(model),
+        concurrency=2,
+        chat_read_timeout_s=120.0,
+    )
+    run.source = str(tmp_path / "two.jsonl")
+    lines = (tmp_path / "papers.jsonl").read_text().splitlines()[:2]
+    (tmp_path / "two.jsonl").write_text("\n".join(lines) + "\n")
+
+    report = run_digest(run)
+
+    assert report.papers_done == 2 and report.calls == 4
+    store = DigestStore(open_database(sqlite_url))
+    calls = store.calls()
+    assert {c.model for c in calls} == {"tiny"}  # the served name is the model folder's
+    assert all(c.status == "ok" and c.endpoint.startswith("http://127.0.0.1:") for c in calls)
+    for call in calls:
+        assert call.prompt_tokens > 100 and 0 < call.completion_tokens <= call.max_tokens
+        assert call.ttft_s is not None and call.ttft_s <= call.latency_s
+    # The review repeats the summary's prefix (system text + paper): our prefix cache serves it.
+    reviews = [c for c in calls if c.kind == "review"]
+    assert all(c.cached_tokens >= 64 for c in reviews), [c.cached_tokens for c in reviews]
+    # A random model writes no valid review JSON: the reply is kept raw, never dropped.
+    digest = store.load_digest(DAY)
+    assert all(e.review_raw for e in digest.entries)
