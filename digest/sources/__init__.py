@@ -1,0 +1,54 @@
+"""Where the digest's papers come from: the arXiv API, the announcement feed, or a local file.
+
+`load_papers` is the one entry point the pipeline calls; each source module can also be used alone.
+Full text (`fulltext.py`) is fetched later, per paper, by the pipeline."""
+
+from __future__ import annotations
+
+from datetime import date
+from pathlib import Path
+
+from digest.paper import Paper
+from digest.sources.arxiv_api import API_URL, fetch_arxiv_api
+from digest.sources.arxiv_rss import RSS_URL, fetch_arxiv_rss
+from digest.sources.local_file import load_papers_file
+from digest.sources.polite_http import (
+    PoliteClient,
+    PoliteHttpConfig,
+    SourceError,
+    SourceUnreachable,
+)
+
+__all__ = [
+    "PoliteClient",
+    "PoliteHttpConfig",
+    "SourceError",
+    "SourceUnreachable",
+    "load_papers",
+]
+
+
+def load_papers(
+    source: str,
+    *,
+    categories: list[str],
+    day: date,
+    max_papers: int | None,
+    client: PoliteClient | None = None,
+    include_cross: bool = False,
+    api_url: str = API_URL,
+    rss_url: str = RSS_URL,
+) -> list[Paper]:
+    """Papers from `source`: "arxiv" (the API, papers submitted on `day` UTC), "rss" (the latest
+    announcement day; `day` is not used), or else the path of a local file (all its papers)."""
+    if source not in ("arxiv", "rss"):
+        return load_papers_file(Path(source), max_papers)
+    own_client = client is None
+    client = client or PoliteClient()
+    try:
+        if source == "arxiv":
+            return fetch_arxiv_api(client, categories, day, max_papers, base_url=api_url)
+        return fetch_arxiv_rss(client, categories, include_cross, max_papers, base_url=rss_url)
+    finally:
+        if own_client:
+            client.close()
