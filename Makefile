@@ -1,4 +1,4 @@
-# The two commands of the README: `make run` (the main job on the embedded default) and
+# The two commands of the README: `make run` (the nightly digest on the embedded default) and
 # `make test` (the whole suite). Both create .venv in the checkout and reuse it when present.
 
 VENV ?= .venv
@@ -9,8 +9,13 @@ STAMP := $(VENV)/.nightshift-installed
 
 .PHONY: run test install model lint bench
 
+# The nightly digest on the embedded default: arXiv (cs.CL, cs.LG), the local engine with the
+# default model, SQLite under $NIGHTSHIFT_HOME. DIGEST_ARGS keeps a first run short; clear it for
+# the whole day (`make run DIGEST_ARGS=`).
+DIGEST_ARGS ?= --max-papers 10
+
 run: model
-	$(NIGHTSHIFT) generate
+	$(NIGHTSHIFT) digest run $(DIGEST_ARGS)
 
 test: model
 	$(PY) -m pytest
