@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
-# New style (since 2007-04): YYMM.NNNN (4 digits to 2014, then 5); old style: archive[.SUBJ]/YYMMNNN.
+# New style (since 2007-04): YYMM.NNNN (4 digits to 2014, then 5); old: archive[.SUBJ]/YYMMNNN.
 _ID_RE = re.compile(
     r"(?P<id>\d{4}\.\d{4,5}|[a-z][a-z\-]*(?:\.[A-Z]{2})?/\d{7})(?:v(?P<version>\d+))?$"
 )

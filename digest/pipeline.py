@@ -32,12 +32,13 @@ from digest.review import InputBasis
 from digest.review_parse import parse_review, review_response_format
 from digest.run_report import RunReport
 from digest.sources import load_papers
-from digest.sources.fulltext import fetch_fulltext, truncate_text
+from digest.sources.fulltext import HTML_URL, fetch_fulltext, truncate_text
 from digest.sources.polite_http import PoliteClient, PoliteHttpConfig
 from digest.store import migrate
 from digest.store.database import open_database
 from digest.store.digest_store import CallRecord, DigestStore, WorkKey, utcnow
 from digest.store.job_lock import JobLock
+from digest.summary_text import tidy_summary
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class RunOptions:
     # point them at loopback fixtures and shorten the waits.
     arxiv_api_url: str | None = None
     arxiv_rss_url: str | None = None
+    arxiv_html_url: str | None = None
     http: PoliteHttpConfig = field(default_factory=PoliteHttpConfig)
     chat_retries: int = 3
     chat_backoff_s: float = 2.0
@@ -116,7 +118,12 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
             raise
         items = store.items(options.digest_date)
         failed = [(i.paper_id, i.error or "not processed") for i, _ in items if i.status != "done"]
-        run = store.finish_run(run_id, "partial" if failed else "succeeded")
+        # All failed (the endpoint was down all night): the run failed, though the page that
+        # lists the failures is still published.
+        status = "partial" if failed else "succeeded"
+        if failed and len(failed) == len(items):
+            status = "failed"
+        run = store.finish_run(run_id, status)
         outputs = render_date(store, options.digest_date, options.out_dir)
     cached = sum(c.cached_tokens or 0 for c in store.calls(run_id))
     return RunReport(
@@ -193,7 +200,7 @@ def _paper_input(
         return PaperInput(paper, "abstract", paper.abstract, False)
     row = store.fulltext(paper)
     if row is None:
-        text = fetch_fulltext(client, paper)
+        text = fetch_fulltext(client, paper, options.arxiv_html_url or HTML_URL)
         full = truncate_text(text, options.max_input_chars) if text else None
         store.save_fulltext(
             paper,
@@ -279,14 +286,14 @@ class _PaperCalls:
                 result = await self._call(
                     item, "summary", summary_messages(block), SUMMARY_MAX_TOKENS
                 )
-                text = result.text.strip()
+                text = tidy_summary(result.text, cut_off=result.finish_reason == "length")
                 if not text:
                     raise ChatCallError(
                         "the model returned an empty summary",
-                        None,
-                        result.attempts,
-                        result.started_at,
-                        result.latency_s,
+                        status_code=None,
+                        attempts=result.attempts,
+                        started_at=result.started_at,
+                        latency_s=result.latency_s,
                     )
                 self.store.save_summary(item.paper, key, text, self.run_id)
             if self.store.review(pid, key) is None:

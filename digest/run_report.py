@@ -16,7 +16,7 @@ EXIT_PARTIAL = 3  # the digest was published, but some papers failed; it lists t
 class RunReport:
     run_id: int
     digest_date: date
-    status: str  # succeeded | partial
+    status: str  # succeeded | partial | failed (every paper failed)
     papers_total: int
     papers_done: int
     papers_failed: int
@@ -30,7 +30,8 @@ class RunReport:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_OK if self.status == "succeeded" else EXIT_PARTIAL
+        codes = {"succeeded": EXIT_OK, "partial": EXIT_PARTIAL}
+        return codes.get(self.status, EXIT_FAILED)
 
     @property
     def completion_tokens_per_s(self) -> float:

@@ -122,6 +122,7 @@ def _run_options(
         # A mirror or proxy of the arXiv endpoints (and the tests' unreachable host).
         arxiv_api_url=os.environ.get("NIGHTSHIFT_ARXIV_API_URL"),
         arxiv_rss_url=os.environ.get("NIGHTSHIFT_ARXIV_RSS_URL"),
+        arxiv_html_url=os.environ.get("NIGHTSHIFT_ARXIV_HTML_URL"),
     )
 
 

@@ -289,11 +289,11 @@ class DigestStore:
         self, digest_date: date, model: str | None = None, prompt_version: str | None = None
     ) -> DailyDigest | None:
         """The digest of a date as last produced: the latest run's model and prompt version
-        unless given. None when the date has no papers."""
+        unless given. None when the date was never run."""
         runs = self.runs_for(digest_date)
         items = self.items(digest_date)
-        if not items:
-            return None
+        if not items and not runs:
+            return None  # a date that was never run; a run that found no papers is a digest
         last = runs[-1] if runs else None
         model = model or (last.model if last else "")
         prompt_version = prompt_version or (last.prompt_version if last else "")

@@ -8,6 +8,7 @@ need not wait for the lease to run out."""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -15,9 +16,11 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import Engine, delete, insert, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from digest.store.schema import JobLockRow
+
+log = logging.getLogger(__name__)
 
 
 class LockHeld(RuntimeError):
@@ -114,12 +117,16 @@ class JobLock:
     def _renew_loop(self) -> None:
         interval = self.lease.total_seconds() / 3
         while not self._stop.wait(interval):
-            with self.engine.begin() as conn:
-                conn.execute(
-                    update(JobLockRow)
-                    .where(JobLockRow.name == self.name, JobLockRow.holder == self.holder)
-                    .values(expires_at=_now() + self.lease)
-                )
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(
+                        update(JobLockRow)
+                        .where(JobLockRow.name == self.name, JobLockRow.holder == self.holder)
+                        .values(expires_at=_now() + self.lease)
+                    )
+            except SQLAlchemyError as exc:
+                # A database hiccup: try again next interval; the lease outlives two misses.
+                log.warning("could not renew the job lock: %s", exc)
 
 
 def _as_utc(value: datetime) -> datetime:

@@ -172,3 +172,76 @@ def test_bad_endpoint_options_fail_before_any_work(tmp_path, sqlite_url):
                 tmp_path, sqlite_url, "http://127.0.0.1:9/v1", api_key_env="OPENAI_KEY_FOR_TEST"
             )
         )
+
+
+def test_an_empty_summary_fails_the_paper_not_the_run(tmp_path, sqlite_url):
+    faults = [Fault("text", text="   ", match=TITLES[0], times=1)]
+    with FaultServer(faults=faults) as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url))
+    assert (report.papers_done, report.papers_failed) == (3, 1)
+    assert report.failed == [("2603.00001", "the model returned an empty summary")]
+
+
+def test_arxiv_source_and_full_text_with_abstract_fallback(tmp_path, sqlite_url):
+    from tests.digest.sources.scripted_server import Reply, ScriptedServer
+
+    fixtures = Path(__file__).parent / "sources" / "fixtures"
+    atom = (fixtures / "arxiv_api_current_m5.atom.xml").read_bytes()
+    html = (fixtures / "arxiv_html_2401.01234v2.html").read_text()
+    with ScriptedServer() as arxiv, FaultServer() as stub:
+        # The listing, then one HTML page per paper in listing order: the first two have one,
+        # the others answer 404 and fall back to their abstract.
+        arxiv.script(
+            Reply(atom),
+            Reply(html, content_type="text/html"),
+            Reply(html, content_type="text/html"),
+            *[Reply(b"", 404)] * 3,
+        )
+        run = options(
+            tmp_path,
+            sqlite_url,
+            stub.base_url,
+            source="arxiv",
+            input_mode="fulltext",
+            categories=["cs.CL"],
+            arxiv_api_url=arxiv.url("/api/query"),
+            arxiv_html_url=arxiv.url("/html"),
+            max_input_chars=200,
+        )
+        report = run_digest(run)
+        paths = [r.path for r in arxiv.received]
+        prompts = [b["messages"][1]["content"] for b in stub.requests]
+    assert report.papers_done == 5 and report.calls == 10
+    assert paths[0] == "/api/query" and paths[1] == "/html/2202.12139v1"
+    assert paths[5] == "/html/hep-ph/0301050v2"
+    digest = DigestStore(open_database(sqlite_url)).load_digest(DAY)
+    assert [e.input_basis for e in digest.entries] == ["fulltext"] * 2 + ["abstract"] * 3
+    assert all(e.review.input_basis == e.input_basis for e in digest.entries)
+    assert sum("Full text (truncated):" in p for p in prompts) == 4  # summary + review, 2 papers
+    assert sum("\nAbstract:\n" in p for p in prompts) == 6
+    # A rerun reads the stored text: arXiv is asked only for the listing.
+    with ScriptedServer() as arxiv, FaultServer() as stub:
+        arxiv.script(Reply(atom))
+        run.arxiv_api_url, run.arxiv_html_url = arxiv.url("/api/query"), arxiv.url("/html")
+        run.endpoint = stub.base_url
+        again = run_digest(run)
+        assert len(arxiv.received) == 1 and stub.requests == []
+    assert again.papers_done == 5
+
+
+def test_endpoint_down_all_night_fails_the_run_but_publishes_the_list(tmp_path, sqlite_url):
+    with FaultServer(faults=[Fault("status", status=502, times=-1)]) as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url))
+    assert (report.status, report.exit_code, report.papers_failed) == ("failed", 1, 4)
+    html = (tmp_path / "out" / f"digest-{DAY}.html").read_text()
+    assert all(f"2603.0000{n}" in html for n in range(1, 5))
+
+
+def test_a_day_without_papers_publishes_an_empty_digest(tmp_path, sqlite_url):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with FaultServer() as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url, source=str(empty)))
+        assert stub.requests == []
+    assert (report.status, report.papers_total, report.exit_code) == ("succeeded", 0, 0)
+    assert (tmp_path / "out" / f"digest-{DAY}.html").exists()

@@ -147,6 +147,7 @@ def test_job_lock_excludes_a_second_holder_and_expires(db_url):
         second.acquire()
     first.release()
     second.acquire()  # free again
+    second.release()
     # A lease that ran out (its holder vanished without releasing) is taken over.
     with engine.begin() as conn:
         conn.execute(
