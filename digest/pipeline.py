@@ -60,6 +60,7 @@ class RunOptions:
     db_url: str | None = None
     include_cross: bool = False
     max_input_chars: int = 24_000
+    site_url: str | None = None  # where out_dir is published: absolute feed links and ids
     local_model: str = "default"
     local_server_args: tuple[str, ...] = ()
     # Where the arXiv sources and the model client are pointed and how patient they are; tests
@@ -124,7 +125,7 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
         if failed and len(failed) == len(items):
             status = "failed"
         run = store.finish_run(run_id, status)
-        outputs = render_date(store, options.digest_date, options.out_dir)
+        outputs = render_date(store, options.digest_date, options.out_dir, options.site_url)
     cached = sum(c.cached_tokens or 0 for c in store.calls(run_id))
     return RunReport(
         run_id=run_id,
@@ -143,13 +144,15 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
     )
 
 
-def render_date(store: DigestStore, digest_date: date, out_dir: Path) -> list[Path]:
+def render_date(
+    store: DigestStore, digest_date: date, out_dir: Path, site_url: str | None = None
+) -> list[Path]:
     """Write the date's pages and refresh the feed and index; no model calls."""
     digest = store.load_digest(digest_date)
     if digest is None:
         raise LookupError(f"the store has no digest for {digest_date.isoformat()}")
     recent = [d for day in store.digest_dates(RECENT_DIGESTS) if (d := store.load_digest(day))]
-    return write_outputs(out_dir, digest, recent)
+    return write_outputs(out_dir, digest, recent, site_url=site_url)
 
 
 def _params(options: RunOptions) -> dict:

@@ -6,7 +6,10 @@ import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 log = logging.getLogger("digest.progress")
 
@@ -31,7 +34,7 @@ class LogProgress:
 
 
 class BarProgress:
-    def __init__(self, bar) -> None:  # noqa: ANN001 - a rich Progress
+    def __init__(self, bar: Progress) -> None:
         self.bar = bar
         self.task = None
         self.failures = 0

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
 
 from digest.run_report import EXIT_FAILED, EXIT_USAGE
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from digest.pipeline import RunOptions
+    from digest.run_report import RunReport
+
+T = TypeVar("T")
 
 log = logging.getLogger("nightshift")
 
@@ -50,6 +59,13 @@ OutOpt = Annotated[
     Path | None,
     typer.Option("--out", help="Output folder. Default: $NIGHTSHIFT_DIGEST_DIR or cache dir."),
 ]
+SiteUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="NIGHTSHIFT_SITE_URL",
+        help="Public URL of --out: absolute links and stable ids in the feed. Set it once.",
+    ),
+]
 CrossOpt = Annotated[bool, typer.Option(help="rss: keep cross-listed announcements too.")]
 MaxCharsOpt = Annotated[int, typer.Option(help="fulltext: truncate the text to this length.")]
 
@@ -81,6 +97,7 @@ def _out_dir(value: Path | None) -> Path:
 
 def _run_options(
     day: date,
+    *,
     categories: str,
     max_papers: int | None,
     source: str,
@@ -93,7 +110,8 @@ def _run_options(
     out: Path | None,
     include_cross: bool,
     max_input_chars: int,
-):  # noqa: ANN202 - RunOptions, imported lazily
+    site_url: str | None,
+) -> RunOptions:
     from digest.pipeline import RunOptions
 
     if input_mode not in ("abstract", "fulltext"):
@@ -123,6 +141,7 @@ def _run_options(
         arxiv_api_url=os.environ.get("NIGHTSHIFT_ARXIV_API_URL"),
         arxiv_rss_url=os.environ.get("NIGHTSHIFT_ARXIV_RSS_URL"),
         arxiv_html_url=os.environ.get("NIGHTSHIFT_ARXIV_HTML_URL"),
+        site_url=site_url,
     )
 
 
@@ -141,39 +160,40 @@ def digest_run(
     out: OutOpt = None,
     include_cross: CrossOpt = False,
     max_input_chars: MaxCharsOpt = 24_000,
+    site_url: SiteUrlOpt = None,
 ) -> None:
     """Fetch the day's papers, summarize and review each, store, and publish the digest."""
-    from digest.progress import paper_progress
-
     options = _run_options(
         _digest_date(date_, source),
-        categories,
-        max_papers,
-        source,
-        input_mode,
-        endpoint,
-        model,
-        api_key_env,
-        concurrency,
-        db,
-        out,
-        include_cross,
-        max_input_chars,
+        categories=categories,
+        max_papers=max_papers,
+        source=source,
+        input_mode=input_mode,
+        endpoint=endpoint,
+        model=model,
+        api_key_env=api_key_env,
+        concurrency=concurrency,
+        db=db,
+        out=out,
+        include_cross=include_cross,
+        max_input_chars=max_input_chars,
+        site_url=site_url,
     )
-    report = _guarded(lambda: _run_with_progress(options, paper_progress))
+    report = _guarded(lambda: _run_with_progress(options))
     for line in report.lines():
         typer.echo(line)
     raise typer.Exit(report.exit_code)
 
 
-def _run_with_progress(options, paper_progress):  # noqa: ANN001, ANN202
+def _run_with_progress(options: RunOptions) -> RunReport:
     from digest.pipeline import run_digest
+    from digest.progress import paper_progress
 
     with paper_progress() as progress:
         return run_digest(options, progress)
 
 
-def _guarded(action):  # noqa: ANN001, ANN202
+def _guarded(action: Callable[[], T]) -> T:
     """Run `action`, turning the errors a user can act on into one line and an exit code."""
     from digest.endpoint import EndpointError
     from digest.sources.polite_http import SourceError, SourceUnreachable
@@ -200,6 +220,7 @@ def digest_render(
     date_: DateOpt = None,
     db: DbOpt = None,
     out: OutOpt = None,
+    site_url: SiteUrlOpt = None,
 ) -> None:
     """Write a date's pages (and refresh feed and index) from the database; no model calls."""
     from digest.pipeline import render_date
@@ -214,7 +235,7 @@ def digest_render(
         day = _digest_date(date_, "render") if date_ else (store.digest_dates(1) or [None])[0]
         if day is None:
             raise LookupError("the store holds no digest yet; run `nightshift digest run` first")
-        return render_date(store, day, _out_dir(out))
+        return render_date(store, day, _out_dir(out), site_url)
 
     for path in _guarded(render):
         typer.echo(f"wrote {path}")
@@ -239,24 +260,26 @@ def digest_schedule(
     out: OutOpt = None,
     include_cross: CrossOpt = False,
     max_input_chars: MaxCharsOpt = 24_000,
+    site_url: SiteUrlOpt = None,
 ) -> None:
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
     from digest.schedule import ScheduleError, ScheduleOptions, build_scheduler
 
     options = _run_options(
         date.today(),
-        categories,
-        max_papers,
-        source,
-        input_mode,
-        endpoint,
-        model,
-        api_key_env,
-        concurrency,
-        db,
-        out,
-        include_cross,
-        max_input_chars,
+        categories=categories,
+        max_papers=max_papers,
+        source=source,
+        input_mode=input_mode,
+        endpoint=endpoint,
+        model=model,
+        api_key_env=api_key_env,
+        concurrency=concurrency,
+        db=db,
+        out=out,
+        include_cross=include_cross,
+        max_input_chars=max_input_chars,
+        site_url=site_url,
     )
     try:
         scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
@@ -270,7 +293,7 @@ def digest_schedule(
         pass
 
 
-def _database(db: str | None):  # noqa: ANN202 - a SQLAlchemy Engine
+def _database(db: str | None) -> Engine:
     from digest.store.database import StoreError, open_database
 
     try:

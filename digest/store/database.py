@@ -6,6 +6,7 @@ SQLite is the embedded default (a file under $NIGHTSHIFT_HOME); PostgreSQL is th
 from __future__ import annotations
 
 import os
+import sqlite3
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -48,7 +49,7 @@ def _open_sqlite(url: str, database: str | None) -> Engine:
     engine = create_engine(url, connect_args={"timeout": 30})
 
     @event.listens_for(engine, "connect")
-    def _pragmas(dbapi_connection, _record) -> None:  # noqa: ANN001 - DB-API connection
+    def _pragmas(dbapi_connection: sqlite3.Connection, _record: object) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA journal_mode=WAL")  # readers never block the writer

@@ -330,7 +330,9 @@ class DigestStore:
             error=item.error,
         )
 
-    def _result(self, table, paper_id: str, key: WorkKey):  # noqa: ANN001, ANN202
+    def _result(
+        self, table: type[SummaryRow] | type[ReviewRow], paper_id: str, key: WorkKey
+    ) -> SummaryRow | ReviewRow | None:
         with self.session() as s:
             return s.scalars(
                 select(table).where(

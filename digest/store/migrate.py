@@ -9,12 +9,12 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 import migrations
 
 
-def _config(engine: Engine, connection) -> Config:  # noqa: ANN001 - a SQLAlchemy Connection
+def _config(engine: Engine, connection: Connection) -> Config:
     config = Config()
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     config.attributes["connection"] = connection

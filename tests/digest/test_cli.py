@@ -92,6 +92,13 @@ def test_partial_success_exit_code_and_render_without_model(tmp_path, sqlite_url
     )
     assert rendered.exit_code == 0, rendered.output
     assert page.read_bytes() == before and (tmp_path / "out" / "feed.xml").exists()
+    assert "digest.example.org" not in (tmp_path / "out" / "feed.xml").read_text()
+    site = ["--site-url", "https://digest.example.org/papers"]
+    rendered = runner.invoke(
+        app, ["digest", "render", "--db", sqlite_url, "--out", str(tmp_path / "out"), *site]
+    )
+    feed = (tmp_path / "out" / "feed.xml").read_text()
+    assert f"https://digest.example.org/papers/digest-{DAY}.html" in feed
     assert calls > 0  # (the stub is gone: rendering made no model call)
 
 
