@@ -4,12 +4,15 @@ cloud one, used unchanged."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from engine.model_fetch import resolve_model
 from engine.server.server_process import start_server_process
@@ -77,3 +80,27 @@ def open_endpoint(
     with start_server_process(args, quiet=not log.isEnabledFor(logging.DEBUG)) as server:
         log.info("local server ready at %s", server.base_url)
         yield Endpoint(server.base_url, name, None)
+
+
+def context_tokens(
+    endpoint: str, model: str | None, api_key_env: str | None, local_model: str = "default"
+) -> int | None:
+    """The model's context length, when it can be known without loading the model: the local
+    model's config, or the `max_model_len` that our server and vLLM list under /v1/models.
+    None when the server does not say (cloud APIs)."""
+    if endpoint == LOCAL:
+        config = json.loads((Path(resolve_model(local_model)) / "config.json").read_text())
+        return config.get("max_position_embeddings")
+    headers = {}
+    if key := (os.environ.get(api_key_env) if api_key_env else None):
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        reply = httpx.get(f"{endpoint.rstrip('/')}/models", headers=headers, timeout=10)
+        cards = reply.json().get("data", []) if reply.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    for card in cards:
+        if isinstance(card, dict) and card.get("id") == model:
+            length = card.get("max_model_len")
+            return length if isinstance(length, int) else None
+    return None

@@ -16,7 +16,7 @@ from datetime import date
 from pathlib import Path
 
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
-from digest.endpoint import LOCAL, Endpoint, check_endpoint, open_endpoint
+from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
 from digest.paper import Paper
 from digest.progress import ProgressSink
 from digest.prompts import (
@@ -193,18 +193,39 @@ def _prepare_inputs(store: DigestStore, options: RunOptions) -> list[PaperInput]
         # The stored list of the date, not just this fetch: a rerun also finishes papers that an
         # earlier run of the date listed.
         listed = [paper for _, paper in store.items(options.digest_date)]
-        return [_paper_input(store, client, options, paper) for paper in listed]
+        budget = _fulltext_budget(options) if options.input_mode == "fulltext" else 0
+        return [_paper_input(store, client, options, paper, budget) for paper in listed]
+
+
+# Room the prompt needs besides the paper text (system text, metadata, task, chat template), and
+# a low estimate of characters per token, so that the truncated text surely fits.
+PROMPT_OVERHEAD_TOKENS = 512
+CHARS_PER_TOKEN = 3
+
+
+def _fulltext_budget(options: RunOptions) -> int:
+    """Characters of full text a prompt may carry: --max-input-chars, lowered to what fits the
+    model's context next to the longest reply when the context length is known."""
+    context = context_tokens(
+        options.endpoint, options.model, options.api_key_env, options.local_model
+    )
+    if context is None:
+        return options.max_input_chars
+    room = (context - REVIEW_MAX_TOKENS - PROMPT_OVERHEAD_TOKENS) * CHARS_PER_TOKEN
+    if room < options.max_input_chars:
+        log.info("full texts truncated to %d characters to fit a %d-token context", room, context)
+    return min(options.max_input_chars, max(1000, room))
 
 
 def _paper_input(
-    store: DigestStore, client: PoliteClient, options: RunOptions, paper: Paper
+    store: DigestStore, client: PoliteClient, options: RunOptions, paper: Paper, budget: int
 ) -> PaperInput:
     if options.input_mode == "abstract":
         return PaperInput(paper, "abstract", paper.abstract, False)
     row = store.fulltext(paper)
     if row is None:
         text = fetch_fulltext(client, paper, options.arxiv_html_url or HTML_URL)
-        full = truncate_text(text, options.max_input_chars) if text else None
+        full = truncate_text(text, budget) if text else None
         store.save_fulltext(
             paper,
             full.text if full else None,

@@ -102,8 +102,10 @@ class FaultServer:
         model: str = "stub",
         cached_tokens: int | None = 0,  # None: no prompt_tokens_details, as some clouds send
         api_key: str | None = None,
+        max_model_len: int | None = None,  # listed under /v1/models, as our server and vLLM do
     ) -> None:
         self.responder = responder or default_responder
+        self.max_model_len = max_model_len
         self.model = model
         self.cached_tokens = cached_tokens
         self.api_key = api_key
@@ -177,6 +179,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(200, {"status": "ok"})
         elif self.path == "/v1/models":
             card = {"id": stub.model, "object": "model", "created": 0, "owned_by": "stub"}
+            if stub.max_model_len is not None:
+                card["max_model_len"] = stub.max_model_len
             self._send_json(200, {"object": "list", "data": [card]})
         else:
             self._send_error(404, f"no route {self.path}")

@@ -245,3 +245,29 @@ def test_a_day_without_papers_publishes_an_empty_digest(tmp_path, sqlite_url):
         assert stub.requests == []
     assert (report.status, report.papers_total, report.exit_code) == ("succeeded", 0, 0)
     assert (tmp_path / "out" / f"digest-{DAY}.html").exists()
+
+
+def test_full_text_is_cut_to_fit_the_servers_context(tmp_path, sqlite_url):
+    from digest.pipeline import CHARS_PER_TOKEN, PROMPT_OVERHEAD_TOKENS
+    from digest.prompts import REVIEW_MAX_TOKENS
+    from digest.store.schema import FullTextRow
+    from tests.digest.sources.scripted_server import Reply, ScriptedServer
+
+    paragraph = "Attention layers read the cache. " * 8
+    html = "<html><body><article>" + f"<p>{paragraph}</p>" * 40 + "</article></body></html>"
+    papers = write_papers(tmp_path / "one.jsonl", TITLES[:1])
+    with ScriptedServer() as arxiv, FaultServer(model="stub-model", max_model_len=1800) as stub:
+        arxiv.script(Reply(html, content_type="text/html"))
+        run = options(
+            tmp_path,
+            sqlite_url,
+            stub.base_url,
+            source=str(papers),
+            input_mode="fulltext",
+            arxiv_html_url=arxiv.url("/html"),
+        )
+        assert run_digest(run).papers_done == 1
+    room = (1800 - REVIEW_MAX_TOKENS - PROMPT_OVERHEAD_TOKENS) * CHARS_PER_TOKEN
+    with DigestStore(open_database(sqlite_url)).session() as s:
+        (row,) = s.query(FullTextRow).all()
+    assert row.truncated and row.original_chars > 10_000 and room - 300 < len(row.text) <= room
