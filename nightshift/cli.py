@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from nightshift.digest_commands import db_app, digest_app
+from nightshift.workload_commands import workload_app
 
 app = typer.Typer(name="nightshift", no_args_is_help=True, help="Self-hosted LLM inference.")
 
@@ -197,6 +198,7 @@ def bench_serve(
 
 app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
+app.add_typer(workload_app, name="workload")
 
 if __name__ == "__main__":
     app()
