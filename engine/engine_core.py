@@ -60,6 +60,8 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._steps = itertools.count()
         self.profiler = StepProfiler(config.profile_path) if config.profile_path else None
+        self._last_step_end: float | None = None  # perf_counter at the end of a step that left
+        # work behind; the next step's gap_s is measured from it
         logger.info(
             "engine: %s on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
             model_dir,
@@ -193,7 +195,10 @@ class EngineCore:
         finished = self.scheduler.update(sched, sampled)
         outputs = self._outputs(sched, sampled, finished)
         if self.profiler is not None:
-            self._profile(sched, result.num_context_tokens, time.perf_counter() - start)
+            end = time.perf_counter()
+            gap = start - self._last_step_end if self._last_step_end is not None else 0.0
+            self._profile(sched, result.num_context_tokens, end - start, gap, len(sampled))
+            self._last_step_end = end if self.scheduler.has_unfinished() else None
         return outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
@@ -240,7 +245,14 @@ class EngineCore:
                 outputs.append(CoreOutput(s.request, 1, rid in done))
         return outputs
 
-    def _profile(self, sched: SchedulerOutput, context_tokens: int, wall: float) -> None:
+    def _profile(
+        self, sched: SchedulerOutput, context_tokens: int, wall: float, gap: float, sampled: int
+    ) -> None:
+        pairs = 0
+        for s in sched.scheduled:
+            n = s.num_tokens
+            start = s.request.num_computed_tokens - n  # update() has advanced it already
+            pairs += n * start + n * (n + 1) // 2
         self.profiler.record(
             StepRecord(
                 step=next(self._steps),
@@ -253,6 +265,9 @@ class EngineCore:
                 context_tokens=context_tokens,
                 num_preempted=len(sched.preempted),
                 num_waiting=len(self.scheduler.waiting),
+                attention_pairs=pairs,
+                sampled_requests=sampled,
+                gap_s=gap,
             )
         )
 

@@ -19,6 +19,13 @@ class StepRecord:
     context_tokens: int  # sum of context lengths attended
     num_preempted: int
     num_waiting: int
+    # Query-key pairs the attention computed: a chunk of n new tokens after s computed ones
+    # attends n*s + n(n+1)/2 keys (causal). Attention FLOPs are proportional to it.
+    attention_pairs: int = 0
+    sampled_requests: int = 0  # rows that went through the LM head and the sampler
+    # Wall-clock seconds from the end of the previous step to the start of this one while work
+    # was waiting: the serving loop's own cost (outputs, detokenization, the HTTP side).
+    gap_s: float = 0.0
 
 
 class StepProfiler:

@@ -5,6 +5,7 @@ lazily so that `nightshift --help` stays fast."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -104,6 +105,10 @@ def serve(
     max_num_batched_tokens: Annotated[int, typer.Option()] = 1024,
     max_model_len: Annotated[int | None, typer.Option()] = None,
     enable_prefix_caching: Annotated[bool, typer.Option()] = True,
+    profile_path: Annotated[
+        Path | None,
+        typer.Option(help="Step profiler: one JSON line per engine step (capacity calibrate)."),
+    ] = None,
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
@@ -120,6 +125,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
+        profile_path=profile_path,
     )
     run_server(config, host, port, served_model_name, api_key, max_waiting_requests, grace_period)
 

@@ -111,6 +111,12 @@ def test_profile_accounts_for_every_token(model_dir, tmp_path):
     assert records[-1]["num_waiting"] == 0
     # Context: each request attends to all its tokens so far, on every step it runs in.
     assert records[0]["context_tokens"] == records[0]["num_batched_tokens"]
+    # Attention pairs: the whole causal triangle of every request's tokens but its last output.
+    assert sum(r["attention_pairs"] for r in records) == sum(
+        (n - 1) * n // 2 for n in (p + o for p, o in zip(lengths, outputs))
+    )
+    assert sum(r["sampled_requests"] for r in records) == num_output
+    assert records[0]["gap_s"] == 0.0 and all(r["gap_s"] >= 0 for r in records)
 
 
 def test_one_token_prompt_chunk_counts_as_a_decode(model_dir, tmp_path):
