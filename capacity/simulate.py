@@ -1,0 +1,178 @@
+"""The engine's own scheduler on a virtual clock.
+
+`simulate` feeds a trace to `engine.scheduler.Scheduler` and `engine.kv.KVCacheManager` - the
+code the engine runs, not a model of it - and replaces the forward pass with the performance
+model: each step advances the clock by `step_time(shape)` and every sampling row emits a token,
+until each request reaches its trace output length (ignore_eos, as a replay forces it). Prompts
+are token ids derived from the trace's hash_ids, so equal blocks hit the prefix cache as they do
+in a real replay."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from capacity.perf import StepShape
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from workload.trace import BLOCK_TOKENS, TraceRecord
+
+_TOKEN = 1  # what the simulated runner "samples"; no stop ids and ignore_eos, so never a stop
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """The engine settings that decide the schedule."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: str
+    arrival_s: float
+    input_length: int
+    output_length: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        assert self.first_token_s is not None
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        assert self.finish_s is not None
+        return self.finish_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_length < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_length - 1)
+
+
+@dataclass(slots=True)
+class SimResult:
+    requests: list[SimRequest]
+    makespan_s: float  # first arrival to last completion
+    steps: int
+    preemptions: int
+    kv_usage: list[tuple[float, float]] = field(default_factory=list)  # (clock, used fraction)
+    schedule: list[list[tuple[str, int]]] = field(default_factory=list)  # per step, if kept
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_length for r in self.requests)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.makespan_s if self.makespan_s > 0 else math.inf
+
+
+def prompt_token_ids(record: TraceRecord, vocab: int = 32000) -> list[int]:
+    """Token ids for a trace record: block i of the prompt is a fixed function of hash_ids[i], so
+    records sharing leading hash_ids share a token prefix (and its KV blocks)."""
+    tokens: list[int] = []
+    for position in range(record.input_length):
+        block = position // BLOCK_TOKENS
+        seed = record.hash_ids[block] if block < len(record.hash_ids) else -1 - position
+        tokens.append(2 + (seed * 7919 + (position % BLOCK_TOKENS) * 104729) % (vocab - 2))
+    return tokens
+
+
+def simulate(
+    trace: list[TraceRecord],
+    step_time: Callable[[StepShape], float],
+    engine: EngineShape,
+    *,
+    time_scale: float = 1.0,
+    batch: bool = False,
+    keep_schedule: bool = False,
+    vocab: int = 32000,
+) -> SimResult:
+    """Run the trace to completion; arrivals at timestamp / time_scale, or all at 0 (batch)."""
+    kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
+    config = SchedulerConfig(
+        engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len
+    )
+    scheduler = Scheduler(config, kv)
+    sims, pending = _requests(trace, engine, time_scale, batch, vocab)
+    by_id = {s.request_id: s for s in sims}
+    clock, steps, result = 0.0, 0, SimResult(sims, 0.0, 0, 0)
+    while pending or scheduler.has_unfinished():
+        while pending and pending[-1][0] <= clock:
+            scheduler.add_request(pending.pop()[1])
+        if not scheduler.has_unfinished():
+            clock = pending[-1][0]  # idle until the next arrival
+            continue
+        out = scheduler.schedule()
+        if not out.scheduled:
+            raise RuntimeError("the scheduler could not run anything: a request does not fit")
+        clock += step_time(_shape(out))
+        steps += 1
+        if keep_schedule:
+            result.schedule.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
+        sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}
+        for rid in sampled:
+            if by_id[rid].first_token_s is None:
+                by_id[rid].first_token_s = clock
+        for request in scheduler.update(out, sampled):
+            by_id[request.request_id].finish_s = clock
+        result.kv_usage.append((clock, kv.usage()))
+    first = min((s.arrival_s for s in sims), default=0.0)
+    result.makespan_s, result.steps = clock - first, steps
+    result.preemptions = scheduler.num_preemptions
+    return result
+
+
+def _requests(
+    trace: list[TraceRecord], engine: EngineShape, time_scale: float, batch: bool, vocab: int
+) -> tuple[list[SimRequest], list[tuple[float, Request]]]:
+    sims, pending = [], []
+    start = min((r.timestamp for r in trace), default=0.0)
+    for index, record in enumerate(trace):
+        if record.input_length < 1 or record.output_length < 1:
+            raise ValueError(f"trace record {index}: input and output lengths must be >= 1")
+        if record.input_length + record.output_length > engine.max_model_len:
+            raise ValueError(
+                f"trace record {index}: {record.input_length} + {record.output_length} tokens "
+                f"exceed max_model_len {engine.max_model_len}"
+            )
+        arrival = 0.0 if batch else (record.timestamp - start) / 1000.0 / time_scale
+        rid = str(index)
+        params = SamplingParams(max_tokens=record.output_length, ignore_eos=True, temperature=0)
+        request = Request(
+            rid,
+            prompt_token_ids(record, vocab),
+            params,
+            record.output_length,
+            arrival,
+            arrival_seq=index,
+        )
+        sims.append(SimRequest(rid, arrival, record.input_length, record.output_length))
+        pending.append((arrival, request))
+    # Popped from the end: latest arrival first in the list; stable for equal times.
+    pending.sort(key=lambda item: (-item[0], -item[1].arrival_seq))
+    return sims, pending
+
+
+def _shape(out: SchedulerOutput) -> StepShape:
+    tokens = rows = pairs = context = 0
+    for s in out.scheduled:
+        n = s.num_tokens
+        start = s.request.num_computed_tokens  # before update(): the tokens already computed
+        tokens += n
+        pairs += n * start + n * (n + 1) // 2
+        context += start + n
+        rows += s.samples
+    return StepShape(tokens, rows, pairs, context)

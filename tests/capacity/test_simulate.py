@@ -1,0 +1,127 @@
+"""The simulation runs the engine's own scheduler: on a small trace its schedule equals the real
+engine's step by step, prefix hits and preemptions included; its clock follows the step-time
+function it is given."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from capacity.perf import StepShape
+from capacity.simulate import EngineShape, prompt_token_ids, simulate
+from engine import LLM, SamplingParams
+from tests.engine.tiny_models import build_tiny_model
+from workload.trace import TraceRecord
+
+VOCAB = 384  # tiny_models' vocab_size
+
+TRACE = [
+    TraceRecord(0, 40, 6, [7]),
+    TraceRecord(0, 55, 3, [7]),  # shares the first 40 tokens' block content with the first
+    TraceRecord(0, 23, 9, [8]),
+    TraceRecord(0, 70, 4, [9]),
+    TraceRecord(0, 33, 7, [7]),
+    TraceRecord(0, 61, 5, [10]),
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-sim"))
+
+
+def _engine_schedule(model_dir, shape: EngineShape) -> tuple[list, int]:
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        block_size=shape.block_size,
+        num_kv_blocks=shape.num_blocks,
+        max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        max_model_len=shape.max_model_len,
+        enable_prefix_caching=shape.enable_prefix_caching,
+    )
+    core = llm.engine.core
+    schedule, steps = core.scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        if out.scheduled:
+            steps.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
+        return out
+
+    core.scheduler.schedule = recording
+    now = time.time()
+    for i, record in enumerate(TRACE):
+        params = SamplingParams(temperature=0.0, max_tokens=record.output_length, ignore_eos=True)
+        core.add_request(str(i), prompt_token_ids(record, VOCAB), params, arrival_time=now)
+    while core.has_unfinished():
+        core.step()
+    return steps, core.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        EngineShape(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=48, max_model_len=128),
+        # A pool too small for all of them at once: preemption by recompute.
+        EngineShape(num_blocks=6, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128),
+        EngineShape(
+            num_blocks=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            max_model_len=128,
+            enable_prefix_caching=False,
+        ),
+    ],
+)
+def test_simulated_schedule_equals_the_engines(model_dir, shape):
+    real, real_preemptions = _engine_schedule(model_dir, shape)
+    sim = simulate(TRACE, lambda s: 0.01, shape, batch=True, keep_schedule=True, vocab=VOCAB)
+    # The simulation's prompts come from the same function with the engine's vocabulary.
+    assert sim.schedule == real
+    assert sim.preemptions == real_preemptions
+    assert sim.steps == len(real)
+    if shape.num_blocks == 6:
+        assert real_preemptions > 0
+
+
+def test_clock_and_latencies_follow_the_step_time():
+    shape = EngineShape(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=512)
+    one = TraceRecord(0, 30, 5, [1])
+    result = simulate([one], lambda s: 0.5 if s.num_batched_tokens > 1 else 0.1, shape)
+    (req,) = result.requests
+    # One prefill step (0.5 s, samples the first token), then four decode steps (0.1 s each).
+    assert req.ttft_s == pytest.approx(0.5) and req.e2e_s == pytest.approx(0.9)
+    assert req.tpot_s == pytest.approx(0.1) and result.makespan_s == pytest.approx(0.9)
+
+
+def test_arrivals_follow_the_trace_clock():
+    shape = EngineShape(num_blocks=64)
+    trace = [TraceRecord(0, 10, 2, [1]), TraceRecord(5000, 10, 2, [2])]
+    result = simulate(trace, lambda s: 0.1, shape, time_scale=2.0)
+    first, second = result.requests
+    assert second.arrival_s == pytest.approx(2.5)  # 5 s of trace at twice the speed
+    assert first.finish_s == pytest.approx(0.2) and second.finish_s == pytest.approx(2.7)
+    assert result.makespan_s == pytest.approx(2.7)
+
+
+def test_shapes_count_tokens_rows_and_attention():
+    seen: list[StepShape] = []
+    shape = EngineShape(num_blocks=64, max_num_batched_tokens=512, enable_prefix_caching=False)
+    simulate([TraceRecord(0, 10, 3, [1])], lambda s: seen.append(s) or 0.01, shape)
+    assert [s.num_batched_tokens for s in seen] == [10, 1, 1]
+    assert [s.sampled_rows for s in seen] == [1, 1, 1]
+    assert [s.attention_pairs for s in seen] == [55, 11, 12]
+    assert [s.context_tokens for s in seen] == [10, 11, 12]
+
+
+def test_thousands_of_requests_in_seconds():
+    trace = [TraceRecord(0, 400 + (i * 37) % 300, 50 + (i * 13) % 200, [0, i]) for i in range(2000)]
+    shape = EngineShape(num_blocks=20000, max_num_seqs=128, max_num_batched_tokens=4096)
+    start = time.perf_counter()
+    result = simulate(trace, lambda s: 0.02, shape, batch=True)
+    assert all(r.finish_s is not None for r in result.requests)
+    assert time.perf_counter() - start < 60  # a bound for a loaded 2-core CI machine
