@@ -1,0 +1,103 @@
+"""Calibration recovers known coefficients from synthetic profiles, and reads real ones."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from capacity.calibrate import CalibrationError, Sample, fit, load_samples
+from capacity.perf import ModelCosts, PerfCoefficients, PerfModel, StepShape
+
+COSTS = ModelCosts(
+    layer_params=106_000_000,
+    lm_head_params=576 * 49152,
+    weight_bytes=540_000_000,
+    attention_flops_per_pair=4 * 30 * 9 * 64,
+    kv_bytes_per_token=2 * 30 * 3 * 64 * 4,
+)
+TRUE = PerfCoefficients(1 / 120e9, 1 / 15e9, 0.003, 0.0004, basis="synthetic")
+
+
+def _shapes(n: int, seed: int = 0) -> list[StepShape]:
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(n):
+        decodes = rng.randint(0, 32)
+        prefill = rng.choice([0, 0, rng.randint(16, 2048)])
+        if decodes + prefill == 0:
+            decodes = 1
+        context = decodes * rng.randint(200, 900) + prefill
+        pairs = decodes * 500 + prefill * prefill // 2
+        shapes.append(StepShape(decodes + prefill, decodes + (prefill > 0), pairs, context))
+    return shapes
+
+
+def test_fit_recovers_known_coefficients():
+    model = PerfModel(COSTS, TRUE)
+    samples = [Sample(s, model.step_time(s)) for s in _shapes(400)]
+    result = fit(samples, COSTS)
+    c = result.coefficients
+    for name in ("k_compute", "k_memory", "t_step", "t_row"):
+        assert getattr(c, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert 0 < result.compute_bound_steps < 400
+    assert result.rmse_s < 1e-9
+
+
+def test_noisy_profile_predicts_within_noise():
+    # With 3% noise per step the constant part of the weight reads and t_step trade off against
+    # each other, but the fitted model predicts unseen steps and totals as well as the noise allows.
+    model = PerfModel(COSTS, TRUE)
+    rng = random.Random(1)
+    samples = [Sample(s, model.step_time(s) * (1 + rng.gauss(0, 0.03))) for s in _shapes(400)]
+    result = fit(samples, COSTS)
+    assert result.coefficients.k_compute == pytest.approx(TRUE.k_compute, rel=0.05)
+    assert result.mean_abs_error_pct < 4 and abs(result.total_error_pct) < 1
+    fitted = PerfModel(COSTS, result.coefficients)
+    unseen = _shapes(300, seed=7)
+    predicted = sum(fitted.step_time(s) for s in unseen)
+    assert predicted == pytest.approx(sum(model.step_time(s) for s in unseen), rel=0.01)
+
+
+def test_profile_file_cycle_times_include_the_serving_gap(tmp_path):
+    lines = []
+    for step in range(10):
+        lines.append(
+            {
+                "step": step,
+                "time": 0.0,
+                "wall_s": 0.05,
+                "batch_size": 2,
+                "num_batched_tokens": 2,
+                "prefill_tokens": 0,
+                "decode_requests": 2,
+                "context_tokens": 100,
+                "num_preempted": 0,
+                "num_waiting": 0,
+                "attention_pairs": 100,
+                "sampled_requests": 2,
+                "gap_s": 0.0 if step in (0, 5) else 0.01,
+            }
+        )
+    path = tmp_path / "steps.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    samples = load_samples(path)
+    # The gap recorded on step i+1 belongs to step i's cycle; step 4 was followed by idleness.
+    assert [round(s.seconds, 3) for s in samples] == [0.06] * 4 + [0.05] + [0.06] * 4 + [0.05]
+    assert samples[0].shape == StepShape(2, 2, 100, 100)
+
+
+def test_bad_profiles_name_the_problem(tmp_path):
+    with pytest.raises(CalibrationError, match="cannot read"):
+        load_samples(tmp_path / "missing.jsonl")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"step": 0}\nnot json\n')
+    with pytest.raises(CalibrationError, match="bad.jsonl:2: not JSON"):
+        load_samples(bad)
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"step": 0, "wall_s": 0.1, "num_batched_tokens": 1}\n')
+    with pytest.raises(CalibrationError, match="lacks"):
+        load_samples(old)
+    with pytest.raises(CalibrationError, match="too few"):
+        fit([Sample(StepShape(1, 1, 1, 1), 0.1)], COSTS)
