@@ -14,6 +14,9 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; else from kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; default below
+    # On a GPU without num_kv_blocks / kv_cache_memory: the fraction of device memory the engine
+    # may use; the KV pool gets what weights, the activation peak and non-torch memory leave.
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped
@@ -21,8 +24,22 @@ class EngineConfig:
     seed: int = 0
     profile_path: Path | None = None  # step profiler: one JSON line per step when set
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
+    attention_backend: str = "auto"  # auto (cuda: triton, cpu: torch), torch, triton
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+
+    def __post_init__(self) -> None:
+        if self.profile_path is not None:
+            self.profile_path = Path(self.profile_path)
 
     def validate(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
+from engine.device_memory import check_fits, profile_gpu_memory
 from engine.errors import InvalidRequestError
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.models.loader import load_model, resolve_device, resolve_dtype
+from engine.models.loader import load_model, resolve_device, resolve_dtype, resolve_kernels
 from engine.models.model_config import load_model_config
 from engine.profiler import StepProfiler, StepRecord
 from engine.request import Request, RequestStatus
@@ -45,7 +46,10 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_config = load_model_config(model_dir)
         self.max_model_len = _resolve_max_model_len(config, model_config)
-        self.model = load_model(model_dir, self.dtype, self.device, self.max_model_len)
+        self.kernels = resolve_kernels(config.attention_backend, self.device)
+        self.model = load_model(
+            model_dir, self.dtype, self.device, self.max_model_len, self.kernels
+        )
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -63,10 +67,11 @@ class EngineCore:
         self._last_step_end: float | None = None  # perf_counter at the end of a step that left
         # work behind; the next step's gap_s is measured from it
         logger.info(
-            "engine: %s on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
+            "engine: %s on %s/%s (%s kernels), %d KV blocks x %d tokens, max_model_len %d",
             model_dir,
             self.device,
             self.dtype,
+            self.kernels,
             self.num_blocks,
             config.block_size,
             self.max_model_len,
@@ -78,6 +83,19 @@ class EngineCore:
             return cfg.num_kv_blocks
         bytes_per_block = cfg.block_size * mc.kv_bytes_per_token * self.dtype.itemsize
         budget = cfg.kv_cache_memory
+        if budget is None and self.device.type == "cuda":
+            profile = profile_gpu_memory(
+                self.model,
+                self.device,
+                cfg.gpu_memory_utilization,
+                cfg.max_num_batched_tokens,
+                cfg.max_num_seqs,
+                self.max_model_len,
+                cfg.block_size,
+            )
+            blocks = profile.kv_budget // bytes_per_block
+            check_fits(blocks, cfg.block_size, self.max_model_len)
+            return int(blocks)
         if budget is None:
             wanted = cfg.max_num_seqs * self.max_model_len // cfg.block_size * bytes_per_block
             budget = min(_DEFAULT_CPU_KV_BYTES, wanted)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -15,37 +16,12 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = "default",
-        dtype: str = "auto",
-        device: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 1024,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
-        profile_path: str | Path | None = None,
-        num_threads: int | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=str(model),
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            profile_path=Path(profile_path) if profile_path else None,
-            num_threads=num_threads,
-        )
+    def __init__(self, model: str | Path = "default", **options: Any) -> None:
+        """`model`: "default" or a local HF folder; `options`: any EngineConfig field
+        (dtype, device, block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
+        max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, seed,
+        profile_path, num_threads, attention_backend, enforce_eager)."""
+        config = EngineConfig(model=str(model), **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

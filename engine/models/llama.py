@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.errors import ModelLoadError
@@ -48,7 +49,7 @@ class LlamaModel:
         config: ModelConfig,
         weights: dict[str, torch.Tensor],
         max_positions: int,
-        backend: TorchAttentionBackend | None = None,
+        backend: AttentionBackend | None = None,
     ) -> None:
         self.config = config
         self.backend = backend or TorchAttentionBackend()

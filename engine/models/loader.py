@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from engine.attention.backend import AttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaModel
 from engine.models.model_config import ModelConfig, load_model_config
@@ -40,8 +42,28 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_kernels(kind: str, device: torch.device) -> str:
+    """ "auto": Triton kernels on CUDA, torch on the CPU (where Triton runs only interpreted)."""
+    if kind == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return kind
+
+
+def attention_backend(kind: str) -> AttentionBackend:
+    if kind == "triton":
+        # Imported only when chosen: Triton is not needed (or installed) for the CPU path.
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()
+
+
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    kernels: str = "torch",
 ) -> LlamaModel:
     if not model_dir.is_dir():
         raise ModelLoadError(f"model path {model_dir} is not a directory")
@@ -49,7 +71,7 @@ def load_model(
     weights = load_weights(model_dir, dtype)
     _check_shapes(config, weights)
     weights = {name: t.to(device) for name, t in weights.items()}
-    return LlamaModel(config, weights, max_positions)
+    return LlamaModel(config, weights, max_positions, attention_backend(kernels))
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
