@@ -57,6 +57,8 @@ class EngineCore:
             self.kv,
         )
         self.runner = ModelRunner(self.model, self.kv, self.num_blocks, config.block_size)
+        if self.device.type == "cuda" and self.kernels == "triton" and not config.enforce_eager:
+            self.runner.capture_cuda_graphs(self.max_model_len, config.max_num_seqs)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}

@@ -8,6 +8,7 @@ model, and prompt positions do not need it (unless prompt logprobs were asked fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaModel
 from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.cuda_graphs import CudaGraphRunner
 
 
 @dataclass(slots=True)
@@ -42,6 +46,7 @@ class ModelRunner:
             )
             for _ in range(cfg.num_layers)
         ]
+        self.graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs (GPU only)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         # Decodes (one query token) first, by context length: the attention backend batches runs
@@ -50,6 +55,8 @@ class ModelRunner:
             sched.scheduled,
             key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens),
         )
+        if self._graph_step(items):
+            return self._execute_graph(items)
         input_ids, positions, meta = self._prepare(items)
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sample_rows = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(items) if s.samples]
@@ -59,6 +66,43 @@ class ModelRunner:
             logits=logits,
             prompt_logits=self._prompt_logits(items, hidden, meta),
             num_context_tokens=sum(meta.seq_lens_list),
+        )
+
+    def _graph_step(self, items: list[ScheduledRequest]) -> bool:
+        """A decode-only step that a captured CUDA graph can run."""
+        return (
+            self.graphs is not None
+            and len(items) <= self.graphs.max_batch
+            and all(s.num_tokens == 1 and s.samples for s in items)
+            and all(s.request.params.prompt_logprobs is None for s in items)
+        )
+
+    def _execute_graph(self, items: list[ScheduledRequest]) -> RunnerOutput:
+        bs = self.block_size
+        token_ids, positions, slots, tables, seq_lens = [], [], [], [], []
+        for s in items:
+            req = s.request
+            position = req.num_computed_tokens
+            table = self.kv.block_ids(req.request_id)
+            token_ids.append(req.token_slice(position, position + 1)[0])
+            positions.append(position)
+            slots.append(table[position // bs] * bs + position % bs)
+            tables.append(table)
+            seq_lens.append(position + 1)
+        assert self.graphs is not None
+        logits = self.graphs.run(token_ids, positions, slots, tables, seq_lens)
+        return RunnerOutput(
+            sample_requests=[s.request for s in items],
+            logits=logits,
+            prompt_logits={},
+            num_context_tokens=sum(seq_lens),
+        )
+
+    def capture_cuda_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        from engine.cuda_graphs import CudaGraphRunner
+
+        self.graphs = CudaGraphRunner(
+            self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs
         )
 
     def _prepare(

@@ -109,6 +109,15 @@ def serve(
         Path | None,
         typer.Option(help="Step profiler: one JSON line per engine step (capacity calibrate)."),
     ] = None,
+    gpu_memory_utilization: Annotated[
+        float, typer.Option(help="GPU: fraction of device memory for weights, activations, KV.")
+    ] = 0.9,
+    attention_backend: Annotated[
+        str, typer.Option(help="auto (cuda: triton, cpu: torch), torch or triton.")
+    ] = "auto",
+    enforce_eager: Annotated[
+        bool, typer.Option("--enforce-eager", help="GPU: no CUDA graphs for decode steps.")
+    ] = False,
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
@@ -126,6 +135,9 @@ def serve(
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
         profile_path=profile_path,
+        gpu_memory_utilization=gpu_memory_utilization,
+        attention_backend=attention_backend,
+        enforce_eager=enforce_eager,
     )
     run_server(config, host, port, served_model_name, api_key, max_waiting_requests, grace_period)
 

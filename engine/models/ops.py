@@ -1,0 +1,101 @@
+"""The seam between the decoder and its non-attention element-wise ops.
+
+Two implementations with the same four methods: TorchOps, today's torch code (the CPU path and
+the reference in tests), and TritonOps, the fused kernels in engine/kernels (the GPU path).
+The model holds one and calls ops.rms_norm / add_rms_norm / rotary / silu_and_mul; which one
+is a configuration choice made once, by make_ops.
+
+Shared contract: outputs are in the input's dtype; add_rms_norm returns (normed, x + residual)
+as fresh tensors and modifies neither input; rotary rotates qk [T, H, D] in place (unit stride
+along D) by positions [T] using the whole float32 cos_sin table [max_positions, 2, D] from
+engine.models.rotary.cos_sin_cache, on qk's device, and returns qk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.rotary import apply_rotary
+
+Norm = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+AddNorm = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+]
+
+
+class TorchOps:
+    """Calls the torch functions the model uses today (engine.models.llama, .rotary)."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        # Imported here, not at module level: llama.py imports this module, so a top-level
+        # import back would be circular. By the time an ops object is built both are loaded.
+        from engine.models.llama import _add_norm, rms_norm
+
+        self._rms_norm: Norm = rms_norm
+        self._add_norm: AddNorm = _add_norm
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, w, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_norm(x, residual, w, eps)
+
+    def rotary(
+        self, qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        table = cos_sin[positions]
+        cos, sin = table[:, None, 0].to(qk.dtype), table[:, None, 1].to(qk.dtype)
+        return qk.copy_(apply_rotary(qk, cos, sin))
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+
+
+class TritonOps:
+    """Fused Triton kernels; tensors must be on a CUDA device (or TRITON_INTERPRET=1 on CPU)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here so that the torch path never needs triton installed.
+        from engine.kernels.rms_norm import add_rms_norm, rms_norm
+        from engine.kernels.rotary import apply_rotary_inplace
+        from engine.kernels.silu_mul import silu_and_mul
+
+        self._rms_norm: Norm = rms_norm
+        self._add_rms_norm: AddNorm = add_rms_norm
+        self._rotary = apply_rotary_inplace
+        self._silu_and_mul = silu_and_mul
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._rms_norm(x, w, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_rms_norm(x, residual, w, eps)
+
+    def rotary(
+        self, qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    ) -> torch.Tensor:
+        return self._rotary(qk, positions, cos_sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._silu_and_mul(gate_up)
+
+
+def make_ops(kind: str) -> TorchOps | TritonOps:
+    """"torch" or "triton"."""
+    if kind == "torch":
+        return TorchOps()
+    if kind == "triton":
+        return TritonOps()
+    raise ValueError(f"unknown ops kind {kind!r} (expected 'torch' or 'triton')")
