@@ -17,6 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from capacity.memory import (
+    WEIGHT_FORMATS,
+    compute_dtype,
+    kv_bytes_per_token,
+    normalize_dtype,
+    weight_bytes,
+)
+from capacity.model_specs import ModelSpec, param_counts
+
 # Defaults for hardware nobody has measured: fractions of datasheet peaks that well-tuned serving
 # engines report for large batches (vLLM / SGLang on A100/H100: dense GEMMs at 60-70% of bf16
 # peak, decode at 70-80% of HBM bandwidth), and a few ms of per-step host overhead.
@@ -96,3 +105,22 @@ class PerfModel:
         compute = shape.flops(self.costs) * c.k_compute
         memory = shape.bytes(self.costs) * c.k_memory
         return max(compute, memory) + c.t_step + c.t_row * shape.sampled_rows
+
+
+def model_costs(
+    spec: ModelSpec, dtype: str = "bf16", kv_dtype: str | None = None, tp: int = 1
+) -> ModelCosts:
+    """ModelCosts of one GPU of a tp group. The embedding table is not read as a whole each step
+    (only the rows of the step's tokens), unless it doubles as the LM head."""
+    counts = param_counts(spec, tp)
+    fmt = WEIGHT_FORMATS[normalize_dtype(dtype, WEIGHT_FORMATS)]
+    unread = 0 if spec.tie_word_embeddings else counts.embedding * fmt.other_bytes
+    lm_head = counts.embedding  # vocab/tp x hidden, tied or not
+    kv = kv_bytes_per_token(spec, kv_dtype or compute_dtype(dtype), tp)
+    return ModelCosts(
+        layer_params=counts.layers,
+        lm_head_params=lm_head,
+        weight_bytes=weight_bytes(spec, dtype, tp) - unread,
+        attention_flops_per_pair=4 * spec.num_layers * (spec.num_heads // tp) * spec.head_dim,
+        kv_bytes_per_token=kv,
+    )

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from nightshift.capacity_commands import capacity_app
 from nightshift.digest_commands import db_app, digest_app
 from nightshift.workload_commands import workload_app
 
@@ -217,6 +218,7 @@ def bench_serve(
 app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
 app.add_typer(workload_app, name="workload")
+app.add_typer(capacity_app, name="capacity")
 
 if __name__ == "__main__":
     app()

@@ -8,3 +8,4 @@ import typer
 workload_app = typer.Typer(no_args_is_help=True, help="Traces of the digest's load; replay them.")
 
 # The command modules register themselves on workload_app when imported (each adds its line).
+from nightshift import workload_replay_command, workload_trace_commands  # noqa: E402, F401

@@ -48,9 +48,7 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    tl.store(out_ptr + row * n + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(

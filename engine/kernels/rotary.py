@@ -60,12 +60,11 @@ def _rotary_kernel(
     mask = (heads[:, None] < num_heads) & dim_mask[None, :]
     x1 = tl.load(qk_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(qk_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
-    out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32) + (x2 * sin1[None, :]).to(dtype).to(
-        tl.float32
-    )
-    out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32) + (x1 * sin2[None, :]).to(dtype).to(
-        tl.float32
-    )
+    # Each product is rounded to qk's dtype before the sum, as in the unfused torch code.
+    out1 = (x1 * cos1[None, :]).to(dtype).to(tl.float32)
+    out1 += (x2 * sin1[None, :]).to(dtype).to(tl.float32)
+    out2 = (x2 * cos2[None, :]).to(dtype).to(tl.float32)
+    out2 += (x1 * sin2[None, :]).to(dtype).to(tl.float32)
     tl.store(qk_ptr + offs, out1.to(dtype), mask=mask)
     tl.store(qk_ptr + offs + half, out2.to(dtype), mask=mask)
 

@@ -93,7 +93,7 @@ class TritonOps:
 
 
 def make_ops(kind: str) -> TorchOps | TritonOps:
-    """"torch" or "triton"."""
+    """The ops implementation by name: "torch" (CPU, reference) or "triton" (fused kernels)."""
     if kind == "torch":
         return TorchOps()
     if kind == "triton":

@@ -1,0 +1,196 @@
+"""GPU catalogue: memory, bandwidth, peak dense throughput, interconnect and an assumed price, for
+the GPUs people commonly serve LLMs on; a user YAML or JSON file adds GPUs or overrides fields.
+
+Throughputs are dense (NVIDIA datasheets quote 2x "with sparsity"; serving never uses it), in the
+accumulate mode serving kernels use (fp32 accumulate). Interconnect bandwidth is the total of both
+directions, as NVIDIA quotes it (PCIe 4.0 x16 = 32 GB/s each way = 64 GB/s).
+
+Prices are assumptions, not facts: a typical on-demand USD price for one GPU-hour, as listed on
+public price pages in 2025-2026 (sources per entry). They move often and vary by provider and
+region; override them with a file or the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+GIB = 1 << 30
+
+
+class GpuCatalogError(ValueError):
+    """An unknown GPU name, or a user GPU file that does not validate."""
+
+
+@dataclass(slots=True, frozen=True)
+class GpuSpec:
+    name: str
+    memory_gib: float  # the number on the box ("24 GB"), read as GiB, which the chips hold
+    bandwidth_gbps: float  # memory bandwidth, GB/s (10^9 bytes)
+    bf16_tflops: float  # dense tensor-core peak
+    fp8_tflops: float | None  # dense; None where the GPU has no fp8 tensor cores
+    interconnect: str  # "PCIe 4.0 x16", "NVLink 4", ...
+    interconnect_gbps: float | None  # GPU-to-GPU GB/s, both directions; None if unknown
+    price_per_hour: float  # USD per GPU-hour, on demand: an assumption (see module docstring)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+
+# Sources: the NVIDIA datasheet of each GPU (RTX 4090: the Ada Lovelace architecture whitepaper,
+# appendix table), except where noted.
+CATALOGUE: tuple[GpuSpec, ...] = (
+    # 24 GB GDDR6X, 1008 GB/s; 165.2 TFLOPS bf16 and 330.3 fp8 with fp32 accumulate (GeForce runs
+    # fp32 accumulate at half the fp16-accumulate rate). No NVLink.
+    # Price: RunPod secure cloud list, 2025 (marketplaces such as Vast.ai run ~$0.3-0.5).
+    GpuSpec(
+        "RTX 4090", 24, 1008, 165.2, 330.3, "PCIe 4.0 x16", 64, 0.69,
+        aliases=("4090", "RTX-4090", "GeForce RTX 4090"),
+    ),
+    # 24 GB GDDR6, 300 GB/s; 121 bf16 / 242.5 fp8 dense (the datasheet's 242 / 485 are sparse).
+    # Price: AWS g6.xlarge (1 L4), us-east-1 on demand, $0.8048/h, 2025.
+    GpuSpec("L4", 24, 300, 121, 242.5, "PCIe 4.0 x16", 64, 0.80, aliases=("NVIDIA L4",)),
+    # AWS's variant of the A10: same 24 GB GDDR6 at 600 GB/s, fewer tensor TFLOPS. NVIDIA
+    # publishes no A10G datasheet; 70 TFLOPS bf16 is the figure in Baseten's "NVIDIA A10 vs A10G
+    # for ML model inference" (the A10 datasheet says 125). Ampere: no fp8.
+    # Price: AWS g5.xlarge (1 A10G), us-east-1 on demand, $1.006/h, 2025.
+    GpuSpec("A10G", 24, 600, 70, None, "PCIe 4.0 x16", 64, 1.01),
+    # 48 GB GDDR6, 864 GB/s; 362.05 bf16 / 733 fp8 dense.
+    # Price: AWS g6e.xlarge (1 L40S), us-east-1 on demand, $1.861/h, 2025.
+    GpuSpec("L40S", 48, 864, 362.05, 733, "PCIe 4.0 x16", 64, 1.86),
+    # SXM4: 40 GB HBM2, 1555 GB/s; 312 bf16 dense; NVLink 3 at 600 GB/s. No fp8.
+    # Price: Lambda on-demand 1x A100 40GB, 2025.
+    GpuSpec(
+        "A100-40GB", 40, 1555, 312, None, "NVLink 3", 600, 1.29,
+        aliases=("A100 40GB", "A100-40G", "A100-SXM4-40GB"),
+    ),
+    # SXM4: 80 GB HBM2e, 2039 GB/s; 312 bf16 dense; NVLink 3 at 600 GB/s. No fp8.
+    # Price: Lambda 8x A100 80GB SXM per GPU, 2025 (mercatus-ai.com "Cloud GPU pricing", May 2026:
+    # $1.10-1.50 specialty clouds, $1.50-3.00 hyperscalers).
+    GpuSpec(
+        "A100-80GB", 80, 2039, 312, None, "NVLink 3", 600, 1.79,
+        aliases=("A100 80GB", "A100-80G", "A100-SXM4-80GB"),
+    ),
+    # SXM5: 80 GB HBM3, 3350 GB/s; 989 bf16 / 1979 fp8 dense; NVLink 4 at 900 GB/s.
+    # Price: Lambda 8x H100 SXM per GPU, 2025 (mercatus-ai.com, May 2026: $2.50-3.50 specialty).
+    GpuSpec(
+        "H100-SXM", 80, 3350, 989, 1979, "NVLink 4", 900, 2.99,
+        aliases=("H100", "H100 SXM", "H100-80GB", "H100-SXM5-80GB", "H100 80GB HBM3"),
+    ),
+    # SXM: 141 GB HBM3e, 4800 GB/s; same Hopper compute as H100 SXM; NVLink 4 at 900 GB/s.
+    # Price: mercatus-ai.com "Cloud GPU pricing", May 2026: $3.50-4.50 at specialty clouds.
+    GpuSpec(
+        "H200", 141, 4800, 989, 1979, "NVLink 4", 900, 3.99,
+        aliases=("H200-SXM", "H200 SXM", "H200 141GB"),
+    ),
+)  # fmt: skip
+
+_REQUIRED = ("memory_gib", "bandwidth_gbps", "bf16_tflops", "price_per_hour")
+_OPTIONAL_DEFAULTS = {
+    "fp8_tflops": None,
+    "interconnect": "unknown",
+    "interconnect_gbps": None,
+    "aliases": (),
+}
+
+
+def load_gpus(extra_file: str | Path | None = None) -> dict[str, GpuSpec]:
+    """The catalogue by name, with the GPUs of extra_file (YAML or JSON) added or merged over
+    existing ones field by field."""
+    gpus = {g.name: g for g in CATALOGUE}
+    if extra_file is None:
+        return gpus
+    path = Path(extra_file)
+    for name, fields in _read_entries(path).items():
+        current = _lookup(gpus, name)
+        gpu = _build(path, name, fields, current)
+        gpus.pop(current.name if current else "", None)
+        gpus[gpu.name] = gpu
+    return gpus
+
+
+def find_gpu(name: str, gpus: dict[str, GpuSpec] | None = None) -> GpuSpec:
+    """Case-insensitive lookup by name, alias or torch/nvidia-smi device name
+    ("NVIDIA H100 80GB HBM3", "4090", "a100-80gb")."""
+    gpus = load_gpus() if gpus is None else gpus
+    gpu = _lookup(gpus, name)
+    if gpu is None:
+        raise GpuCatalogError(f"unknown GPU {name!r}; known: {', '.join(gpus)}")
+    return gpu
+
+
+def _key(name: str) -> str:
+    key = re.sub(r"[^a-z0-9]", "", str(name).lower())
+    return re.sub(r"^(nvidia)?(geforce)?", "", key)
+
+
+def _lookup(gpus: dict[str, GpuSpec], name: str) -> GpuSpec | None:
+    key = _key(name)
+    for gpu in gpus.values():
+        if key in {_key(n) for n in (gpu.name, *gpu.aliases)}:
+            return gpu
+    return None
+
+
+def _read_entries(path: Path) -> dict[str, dict]:
+    try:
+        text = path.read_text()
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, json.JSONDecodeError, yaml.YAMLError) as e:
+        raise GpuCatalogError(f"{path}: cannot read GPU file: {e}") from e
+    if isinstance(raw, dict) and "gpus" in raw:
+        raw = raw["gpus"]
+    if isinstance(raw, list):  # [{name: ..., field: ...}, ...]
+        if not all(isinstance(e, dict) and "name" in e for e in raw):
+            raise GpuCatalogError(f"{path}: every GPU in the list needs a 'name'")
+        raw = {str(e["name"]): {k: v for k, v in e.items() if k != "name"} for e in raw}
+    if not isinstance(raw, dict):
+        raise GpuCatalogError(f"{path}: expected a mapping of GPU name -> fields, or a list")
+    for name, fields in raw.items():
+        if not isinstance(fields, dict):
+            raise GpuCatalogError(f"{path}: GPU {name!r}: expected a mapping of fields")
+    return {str(k): v for k, v in raw.items()}
+
+
+def _build(path: Path, name: str, fields: dict, current: GpuSpec | None) -> GpuSpec:
+    where = f"{path}: GPU {name!r}"
+    known = set(_REQUIRED) | set(_OPTIONAL_DEFAULTS)
+    for field in fields:
+        if field not in known:
+            raise GpuCatalogError(f"{where}: unknown field {field!r}; known: {sorted(known)}")
+    if current is not None:
+        base = dataclasses.asdict(current)
+    else:
+        missing = [f for f in _REQUIRED if f not in fields]
+        if missing:
+            raise GpuCatalogError(f"{where}: new GPU lacks required field {missing[0]!r}")
+        base = {"name": name, **_OPTIONAL_DEFAULTS}
+    merged = {**base, **fields}
+    for field in known:
+        merged[field] = _validate(where, field, merged[field])
+    return GpuSpec(**merged)
+
+
+def _validate(where: str, field: str, value: object) -> object:
+    if field == "interconnect":
+        if not isinstance(value, str):
+            raise GpuCatalogError(f"{where}: field 'interconnect' must be a string, got {value!r}")
+        return value
+    if field == "aliases":
+        if not isinstance(value, list | tuple) or not all(isinstance(a, str | int) for a in value):
+            raise GpuCatalogError(f"{where}: field 'aliases' must be a list of names")
+        return tuple(str(a) for a in value)
+    if value is None and field in _OPTIONAL_DEFAULTS:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GpuCatalogError(f"{where}: field {field!r} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and field != "price_per_hour"):
+        raise GpuCatalogError(f"{where}: field {field!r} must be positive, got {value!r}")
+    return float(value)

@@ -1,0 +1,185 @@
+"""The planner's answers for one workload: per GPU and tensor-parallel size, where memory goes,
+how long tonight's batch takes (the engine's scheduler on a virtual clock, timed by the
+performance model), how many GPUs meet the deadline, and what that costs - next to the same
+tokens at a cloud API's prices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from capacity.calibrate import Calibration
+from capacity.gpus import GpuSpec
+from capacity.memory import MemoryPlan, MemoryPlanError, plan_memory
+from capacity.model_specs import ModelSpec, ModelSpecError, check_tp
+from capacity.perf import Hardware, PerfCoefficients, PerfModel, StepShape, model_costs
+from capacity.simulate import EngineShape, SimResult, simulate
+from workload.trace import TraceRecord
+
+MAX_REPLICAS = 256
+DAYS_PER_MONTH = 30
+
+StepTime = Callable[[StepShape], float]
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSettings:
+    dtype: str = "bf16"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    utilization: float = 0.9
+    deadline_s: float | None = None
+    api_price_in: float | None = None  # USD per million input tokens
+    api_price_out: float | None = None
+
+
+@dataclass(slots=True)
+class GpuPlan:
+    gpu: GpuSpec
+    tp: int
+    memory: MemoryPlan | None = None
+    error: str | None = None  # why this GPU / tp cannot run the model
+    basis: str = ""  # how the times were obtained
+    sim: SimResult | None = None
+    replicas: int = 1  # tp groups needed to meet the deadline (1 without a deadline)
+    replica_makespan_s: float = 0.0  # one replica's share of the batch
+    latency: dict = field(default_factory=dict)  # name -> {p50, p90, p99} seconds
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.tp
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.gpus * self.replica_makespan_s / 3600
+
+    @property
+    def cost_per_night(self) -> float:
+        return self.gpu_hours * self.gpu.price_per_hour
+
+
+def request_lengths(trace: list[TraceRecord]) -> dict[str, int]:
+    """p50 / p90 / p99 of input + output tokens per request."""
+    totals = np.array([r.input_length + r.output_length for r in trace])
+    return {f"p{q}": int(np.percentile(totals, q)) for q in (50, 90, 99)}
+
+
+def api_cost(trace: list[TraceRecord], settings: PlanSettings) -> float | None:
+    if settings.api_price_in is None or settings.api_price_out is None:
+        return None
+    tokens_in = sum(r.input_length for r in trace)
+    tokens_out = sum(r.output_length for r in trace)
+    return (tokens_in * settings.api_price_in + tokens_out * settings.api_price_out) / 1e6
+
+
+def coefficients_for(gpu: GpuSpec, dtype: str, calibration: Calibration | None) -> PerfCoefficients:
+    """The calibration when it was made on this GPU, else the datasheet with default
+    efficiencies."""
+    if calibration is not None and _same_gpu(calibration.machine, gpu):
+        return calibration.coefficients
+    tflops = gpu.fp8_tflops if dtype == "fp8" and gpu.fp8_tflops else gpu.bf16_tflops
+    hardware = Hardware(gpu.name, tflops * 1e12, gpu.bandwidth_gbps * 1e9, "datasheet")
+    return PerfCoefficients.from_datasheet(hardware)
+
+
+def _same_gpu(machine: str, gpu: GpuSpec) -> bool:
+    names = {gpu.name.lower(), *(a.lower() for a in gpu.aliases)}
+    return machine.lower() in names
+
+
+def plan_gpu(
+    spec: ModelSpec,
+    trace: list[TraceRecord],
+    gpu: GpuSpec,
+    tp: int,
+    settings: PlanSettings,
+    calibration: Calibration | None = None,
+) -> GpuPlan:
+    result = GpuPlan(gpu, tp)
+    longest = max(r.input_length + r.output_length for r in trace)
+    max_model_len = min(spec.max_position_embeddings, math.ceil(longest / 1024) * 1024)
+    try:
+        check_tp(spec, tp)
+        result.memory = plan_memory(
+            spec,
+            gpu.memory_bytes,
+            dtype=settings.dtype,
+            tp=tp,
+            utilization=settings.utilization,
+            block_size=settings.block_size,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=max_model_len,
+        )
+    except (MemoryPlanError, ModelSpecError) as exc:
+        result.error = str(exc)
+        return result
+    coefficients = coefficients_for(gpu, settings.dtype, calibration)
+    result.basis = coefficients.basis
+    step_time = _step_time(spec, gpu, tp, settings.dtype, coefficients)
+    engine = EngineShape(
+        num_blocks=result.memory.num_blocks,
+        block_size=settings.block_size,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+    result.sim = simulate(trace, step_time, engine, batch=True)
+    result.replicas, shard = _replicas(trace, step_time, engine, result.sim, settings.deadline_s)
+    result.replica_makespan_s = shard.makespan_s
+    result.latency = _latency(result.sim)
+    return result
+
+
+def _step_time(
+    spec: ModelSpec, gpu: GpuSpec, tp: int, dtype: str, coefficients: PerfCoefficients
+) -> StepTime:
+    model = PerfModel(model_costs(spec, dtype, tp=tp), coefficients)
+    if tp == 1 or not gpu.interconnect_gbps:
+        return model.step_time
+    # Tensor parallelism adds two all-reduces of the hidden states per layer; a ring moves
+    # 2 (tp - 1) / tp of the data over the GPU-to-GPU link.
+    per_token = 2 * spec.num_layers * spec.hidden_size * 2 * 2 * (tp - 1) / tp
+    link = gpu.interconnect_gbps * 1e9
+
+    def with_allreduce(shape: StepShape) -> float:
+        return model.step_time(shape) + per_token * shape.num_batched_tokens / link
+
+    return with_allreduce
+
+
+def _replicas(
+    trace: list[TraceRecord],
+    step_time: StepTime,
+    engine: EngineShape,
+    whole: SimResult,
+    deadline_s: float | None,
+) -> tuple[int, SimResult]:
+    """The fewest replicas whose share of the batch (every n-th request) ends by the deadline."""
+    if deadline_s is None or whole.makespan_s <= deadline_s:
+        return 1, whole
+    replicas = max(2, math.ceil(whole.makespan_s / deadline_s))
+    while replicas <= MAX_REPLICAS:
+        shard = simulate(trace[::replicas], step_time, engine, batch=True)
+        if shard.makespan_s <= deadline_s:
+            return replicas, shard
+        replicas += 1
+    return MAX_REPLICAS, shard
+
+
+def _latency(sim: SimResult) -> dict:
+    def pct(values: list[float]) -> dict:
+        if not values:
+            return {}
+        return {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)}
+
+    tpots = [t for r in sim.requests if (t := r.tpot_s) is not None]
+    return {
+        "ttft": pct([r.ttft_s for r in sim.requests]),
+        "tpot": pct(tpots),
+        "e2e": pct([r.e2e_s for r in sim.requests]),
+    }

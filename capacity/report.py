@@ -1,0 +1,213 @@
+"""`nightshift capacity report`: the planner's answers as one HTML page (plots embedded) and a
+Markdown file (plots beside it). Every figure says what it is: measured, calibrated estimate,
+datasheet estimate, or pending a GPU measurement."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jinja2
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+from capacity.calibrate import Calibration
+from capacity.gpus import GpuSpec
+from capacity.memory import GIB
+from capacity.model_specs import ModelSpec
+from capacity.planner import (
+    DAYS_PER_MONTH,
+    GpuPlan,
+    PlanSettings,
+    api_cost,
+    plan_gpu,
+    request_lengths,
+)
+from workload.synth import synth_trace
+from workload.trace import TraceRecord
+
+SCALES = (0.25, 0.5, 1.0, 2.0, 4.0)  # papers per night, relative to the trace, for the plot
+
+_ENV = jinja2.Environment(
+    loader=jinja2.PackageLoader("capacity", "templates"),
+    autoescape=jinja2.select_autoescape(["html"]),
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+@dataclass(slots=True)
+class Report:
+    model: ModelSpec
+    trace_note: str
+    trace: list[TraceRecord]
+    settings: PlanSettings
+    plans: list[GpuPlan]
+    calibration: Calibration | None
+    api_cost_per_night: float | None
+    lengths: dict[str, int]
+    scaling: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # gpu -> points
+    generated_at: str = ""
+
+    @property
+    def papers(self) -> int:
+        kinds = {r.kind for r in self.trace}
+        return len(self.trace) // max(1, len(kinds - {None}) or 1)
+
+
+def build_report(
+    spec: ModelSpec,
+    trace: list[TraceRecord],
+    trace_note: str,
+    gpus: list[GpuSpec],
+    tps: list[int],
+    settings: PlanSettings,
+    calibration: Calibration | None = None,
+) -> Report:
+    plans = [plan_gpu(spec, trace, gpu, tp, settings, calibration) for gpu in gpus for tp in tps]
+    report = Report(
+        model=spec,
+        trace_note=trace_note,
+        trace=trace,
+        settings=settings,
+        plans=plans,
+        calibration=calibration,
+        api_cost_per_night=api_cost(trace, settings),
+        lengths=request_lengths(trace),
+        generated_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+    report.scaling = _scaling(
+        spec, trace, [p for p in plans if p.tp == tps[0]], settings, calibration
+    )
+    return report
+
+
+def _scaling(
+    spec: ModelSpec,
+    trace: list[TraceRecord],
+    plans: list[GpuPlan],
+    settings: PlanSettings,
+    calibration: Calibration | None,
+) -> dict[str, list[tuple[int, float]]]:
+    """Makespan on one replica as the column grows: the trace resampled at each scale."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    single = PlanSettings(**{**_fields(settings), "deadline_s": None})
+    for plan in plans:
+        if plan.sim is None:
+            continue
+        series = []
+        for scale in SCALES:
+            papers = max(1, round(len(trace) / 2 * scale))
+            scaled, _ = synth_trace(trace, papers, seed=1)
+            sim = plan_gpu(spec, scaled, plan.gpu, plan.tp, single, calibration).sim
+            if sim is not None:
+                series.append((papers, sim.makespan_s))
+        points[plan.gpu.name] = series
+    return points
+
+
+def _fields(settings: PlanSettings) -> dict:
+    return {name: getattr(settings, name) for name in settings.__slots__}
+
+
+def render(report: Report, out: Path) -> list[Path]:
+    """Write out (.html or .md; the other one beside it) and the plots; returns the paths."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    html_path, md_path = out.with_suffix(".html"), out.with_suffix(".md")
+    plots = {"scaling": _plot_scaling(report), "kv": _plot_kv(report)}
+    written = []
+    for name, png in plots.items():
+        path = out.with_name(f"{out.stem}-{name}.png")
+        path.write_bytes(png)
+        written.append(path)
+    context = _context(report)
+    html_path.write_text(
+        _ENV.get_template("report.html").render(
+            **context, plots={k: base64.b64encode(v).decode() for k, v in plots.items()}
+        )
+    )
+    md_path.write_text(
+        _ENV.get_template("report.md").render(
+            **context, plots={k: p.name for k, p in zip(plots, written)}
+        )
+    )
+    return [html_path, md_path, *written]
+
+
+def _context(report: Report) -> dict:
+    return {
+        "r": report,
+        "gib": lambda n: f"{n / GIB:.2f}",
+        "hours": _duration,
+        "money": lambda x: "n/a" if x is None else f"${x:,.2f}",
+        "month": DAYS_PER_MONTH,
+        "ms": lambda s: "n/a" if s is None else f"{s * 1000:.0f}",
+    }
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "n/a"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
+
+
+def _plot_scaling(report: Report) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in report.scaling.items():
+        if points:
+            ax.plot([p for p, _ in points], [m / 60 for _, m in points], marker="o", label=name)
+    if report.settings.deadline_s:
+        ax.axhline(report.settings.deadline_s / 60, color="grey", linestyle="--", label="deadline")
+    ax.set_xlabel("papers per night")
+    ax.set_ylabel("makespan on one GPU group (min)")
+    ax.set_title(f"{report.model.name}: batch makespan (simulated; estimates)")
+    ax.legend()
+    return _png(fig)
+
+
+def _plot_kv(report: Report) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for plan in report.plans:
+        if plan.sim is not None and plan.sim.kv_usage:
+            times, usage = zip(*plan.sim.kv_usage)
+            ax.plot(
+                [t / 60 for t in times],
+                [u * 100 for u in usage],
+                label=f"{plan.gpu.name} tp={plan.tp}",
+            )
+    ax.set_xlabel("time into the batch (min)")
+    ax.set_ylabel("KV blocks in use (%)")
+    ax.set_title("KV cache usage over tonight's batch (simulated)")
+    ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def _png(fig: Figure) -> bytes:
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()

@@ -1,0 +1,169 @@
+"""`nightshift capacity calibrate|report`: fit the performance model to a step profile, and plan
+hardware for a workload."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+if TYPE_CHECKING:
+    from capacity.model_specs import ModelSpec
+
+capacity_app = typer.Typer(no_args_is_help=True, help="Memory, performance and cost planning.")
+
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "capacity" / "data" / "digest_sample.jsonl"
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(2)
+
+
+def _spec(model: str) -> ModelSpec:
+    from capacity.model_specs import ModelSpecError, load_model_spec
+    from engine.model_fetch import resolve_model
+
+    try:
+        return load_model_spec(resolve_model(model) if model == "default" else model)
+    except (ModelSpecError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+
+
+@capacity_app.command("calibrate")
+def calibrate(
+    profile: Annotated[Path, typer.Argument(help="Step profile (serve --profile-path).")],
+    model: Annotated[str, typer.Option(help="'default', a config.json folder or a name.")] = (
+        "default"
+    ),
+    dtype: Annotated[str, typer.Option(help="The dtype the engine ran in.")] = "fp32",
+    machine: Annotated[
+        str | None, typer.Option(help="Name of the machine (a GPU name to match the catalogue).")
+    ] = None,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Calibration JSON.")] = Path(
+        "calibration.json"
+    ),
+) -> None:
+    """Fit the performance model's coefficients to a step profile; print the fit error."""
+    from capacity.calibrate import CalibrationError, fit, load_samples
+    from capacity.perf import model_costs
+
+    spec = _spec(model)
+    try:
+        samples = load_samples(profile)
+        result = fit(samples, model_costs(spec, dtype), machine or _machine_name())
+    except CalibrationError as exc:
+        raise _fail(str(exc)) from None
+    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    c = result.coefficients
+    typer.echo(
+        f"{result.steps} steps of {profile} ({result.compute_bound_steps} compute-bound) on "
+        f"{result.machine}:\n"
+        f"  {1 / c.k_compute / 1e9:.1f} GFLOP/s effective, {1 / c.k_memory / 1e9:.1f} GB/s "
+        f"effective, {c.t_step * 1000:.2f} ms per step, {c.t_row * 1000:.3f} ms per sampled row\n"
+        f"  fit: RMSE {result.rmse_s * 1000:.2f} ms per step, mean |error| "
+        f"{result.mean_abs_error_pct:.1f}%, total {result.total_error_pct:+.2f}%\n"
+        f"wrote {out}"
+    )
+
+
+def _machine_name() -> str:
+    import os
+
+    from engine.bench import _cpu_name
+
+    return f"{_cpu_name()} ({os.cpu_count()} CPUs, {platform.machine()})"
+
+
+@capacity_app.command("report")
+def report(
+    model: Annotated[str, typer.Option(help="A catalogue name, a config.json folder, 'default'.")],
+    gpus: Annotated[
+        str, typer.Option(help="Comma-separated GPU names.")
+    ] = "4090,L4,A100-80GB,H100",
+    trace: Annotated[Path | None, typer.Option(help="The workload (workload export).")] = None,
+    papers: Annotated[
+        int | None, typer.Option(help="Draw this many papers from the trace's distribution.")
+    ] = None,
+    deadline: Annotated[str | None, typer.Option(help="e.g. 2h, 90m, 3600s.")] = None,
+    tp: Annotated[str, typer.Option(help="Tensor-parallel sizes, comma-separated.")] = "1",
+    dtype: Annotated[str, typer.Option(help="bf16, fp16, fp8, int8, int4.")] = "bf16",
+    max_num_seqs: Annotated[int, typer.Option()] = 256,
+    max_num_batched_tokens: Annotated[int, typer.Option()] = 8192,
+    utilization: Annotated[float, typer.Option(help="gpu_memory_utilization.")] = 0.9,
+    api_price_per_mtok: Annotated[
+        str | None, typer.Option(help="IN,OUT: a cloud API's USD per million tokens.")
+    ] = None,
+    gpu_file: Annotated[Path | None, typer.Option(help="YAML/JSON adding GPUs.")] = None,
+    calibration: Annotated[Path | None, typer.Option(help="From capacity calibrate.")] = None,
+    seed: Annotated[int, typer.Option()] = 0,
+    out: Annotated[Path, typer.Option("-o", "--out", help="report.html (and .md)")] = Path(
+        "capacity-report.html"
+    ),
+) -> None:
+    """Which GPU, how many, how long tonight's batch takes, at what cost."""
+    from capacity.calibrate import Calibration
+    from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
+    from capacity.planner import PlanSettings
+    from capacity.report import build_report, render
+    from workload.synth import SynthError, synth_trace
+    from workload.trace import TraceError, read_trace
+
+    spec = _spec(model)
+    try:
+        catalogue = load_gpus(gpu_file)
+        chosen = [find_gpu(name.strip(), catalogue) for name in gpus.split(",") if name.strip()]
+        source = read_trace(trace or DEFAULT_TRACE)
+        note = f"trace {trace}" if trace else f"the bundled digest sample ({DEFAULT_TRACE.name})"
+        if papers is not None:
+            source, how = synth_trace(source, papers, seed=seed)
+            note = f"{how}, from {note}"
+    except (GpuCatalogError, TraceError, SynthError) as exc:
+        raise _fail(str(exc)) from None
+    if not source:
+        raise _fail("the workload has no requests")
+    settings = PlanSettings(
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        utilization=utilization,
+        deadline_s=_seconds(deadline) if deadline else None,
+        **_prices(api_price_per_mtok),
+    )
+    cal = Calibration.from_json(json.loads(calibration.read_text())) if calibration else None
+    result = build_report(spec, source, note, chosen, _ints(tp, "--tp"), settings, cal)
+    for path in render(result, out):
+        typer.echo(f"wrote {path}")
+
+
+def _seconds(text: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1}
+    try:
+        if text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except (ValueError, IndexError):
+        raise _fail(f"--deadline must look like 2h, 90m or 3600s, not {text!r}") from None
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise _fail(f"{option} must be comma-separated integers, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise _fail(f"{option} must name positive integers")
+    return values
+
+
+def _prices(text: str | None) -> dict:
+    if text is None:
+        return {}
+    try:
+        price_in, price_out = (float(part) for part in text.split(","))
+    except ValueError:
+        raise _fail(f"--api-price-per-mtok must be IN,OUT (USD), not {text!r}") from None
+    return {"api_price_in": price_in, "api_price_out": price_out}

@@ -1,0 +1,177 @@
+"""`nightshift workload export|import|stats|synth`: make, convert, describe and scale traces.
+
+Errors a user can fix (a bad URL, an unreadable or malformed file, a bad option) end in one line
+`error: ...` on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import json
+from datetime import date
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nightshift.workload_commands import workload_app
+
+EXIT_USAGE = 2
+
+OutOpt = Annotated[Path, typer.Option("--output", "-o", help="The trace to write (JSONL).")]
+BlockOpt = Annotated[int, typer.Option(help="Tokens per hash_ids block (Mooncake's is 512).")]
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(EXIT_USAGE)
+
+
+def _since(value: str | None) -> date | None:
+    if value is None:
+        return None
+    try:
+        return date.fromisoformat(value)
+    except ValueError:
+        raise _fail(f"--since must be YYYY-MM-DD, not {value!r}") from None
+
+
+def _runs(value: str | None) -> set[int] | None:
+    if value is None:
+        return None
+    try:
+        return {int(part) for part in value.split(",") if part.strip()}
+    except ValueError:
+        raise _fail(f"--runs must be run ids separated by commas, not {value!r}") from None
+
+
+def _write(path: Path, records: list) -> int:
+    from workload.trace import write_trace
+
+    try:
+        return write_trace(path, records)
+    except OSError as exc:
+        raise _fail(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _read(path: Path) -> list:
+    from workload.trace import TraceError, read_trace
+
+    try:
+        records = read_trace(path)
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    if not records:
+        raise _fail(f"{path}: the trace has no requests")
+    return records
+
+
+@workload_app.command("export")
+def export(
+    output: OutOpt,
+    db: Annotated[
+        str | None,
+        typer.Option("--db", help="Database URL. Default: $NIGHTSHIFT_DATABASE_URL or SQLite."),
+    ] = None,
+    since: Annotated[
+        str | None, typer.Option(help="Only calls started on or after this UTC date, YYYY-MM-DD.")
+    ] = None,
+    runs: Annotated[str | None, typer.Option(help="Only these run ids, e.g. 3,4.")] = None,
+    block_size: BlockOpt = 512,
+) -> None:
+    """The digest's successful model calls as a trace, with reconstructed prefix sharing."""
+    from digest.store.database import default_database_url
+    from workload.export import ExportError, export_trace, load_calls
+
+    day, run_ids = _since(since), _runs(runs)
+    if block_size < 1:
+        raise _fail("--block-size must be at least 1")
+    try:
+        calls = load_calls(db or default_database_url(), day, run_ids)
+    except ExportError as exc:
+        raise _fail(str(exc)) from None
+    if not calls:
+        raise _fail("no successful model calls to export (check --db, --since and --runs)")
+    count = _write(output, export_trace(calls, block_size))
+    typer.echo(f"{count} calls -> {output}", err=True)
+    typer.echo(output)
+
+
+@workload_app.command("import")
+def import_(
+    file: Annotated[Path, typer.Argument(help="A public trace: Azure CSV, Mooncake JSONL, ...")],
+    output: OutOpt,
+    fmt: Annotated[
+        str, typer.Option("--format", help="auto, azure, mooncake or lengths.")
+    ] = "auto",
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Tokens per block for fresh hash_ids (default 512; Mooncake keeps its)."),
+    ] = None,
+) -> None:
+    """Convert a public trace into ours."""
+    from workload.importers import import_trace
+    from workload.trace import TraceError
+
+    if block_size is not None and block_size < 1:
+        raise _fail("--block-size must be at least 1")
+    try:
+        records = import_trace(file, fmt, block_size)
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    count = _write(output, records)
+    typer.echo(f"{count} requests -> {output}", err=True)
+    typer.echo(output)
+
+
+@workload_app.command("stats")
+def stats(
+    trace: Annotated[Path, typer.Argument(help="A trace (JSONL).")],
+    plots: Annotated[
+        Path | None, typer.Option(help="Write length histogram and CDF PNGs here.")
+    ] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the numbers here.")] = None,
+) -> None:
+    """Count, rate, length percentiles (overall and per kind), prefix reuse, log-normal fits."""
+    from workload.stats import format_table, trace_stats
+
+    records = _read(trace)
+    numbers = trace_stats(records)
+    typer.echo(format_table(numbers))
+    if json_out is not None:
+        try:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(numbers.to_json(), indent=2) + "\n")
+        except OSError as exc:
+            raise _fail(f"cannot write {json_out}: {exc.strerror or exc}") from None
+    if plots is not None:
+        from workload.plots import plot_lengths
+
+        try:
+            paths = plot_lengths(records, plots, title=trace.stem)
+        except OSError as exc:
+            raise _fail(f"cannot write plots into {plots}: {exc.strerror or exc}") from None
+        for path in paths:
+            typer.echo(f"plot: {path}", err=True)
+
+
+@workload_app.command("synth")
+def synth(
+    like: Annotated[Path, typer.Option("--like", help="The recorded trace to imitate.")],
+    papers: Annotated[int, typer.Option(help="Papers (or requests, without kinds) to draw.")],
+    output: OutOpt,
+    seed: Annotated[int, typer.Option(help="Random seed; same seed, same trace.")] = 0,
+    rate: Annotated[
+        float | None, typer.Option(help="Papers per second (Poisson); default: all at 0.")
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="The source's block size.")] = 512,
+) -> None:
+    """A trace of N papers drawn from a recorded one ("what if the column doubles")."""
+    from workload.synth import SynthError, synth_trace
+
+    source = _read(like)
+    try:
+        records, note = synth_trace(source, papers, seed, rate, block_size)
+    except SynthError as exc:
+        raise _fail(str(exc)) from None
+    count = _write(output, records)
+    typer.echo(f"{note}: {count} requests -> {output}", err=True)
+    typer.echo(output)

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from capacity.gpus import CATALOGUE, GIB, GpuCatalogError, find_gpu, load_gpus
+
+
+def test_catalogue_holds_the_eight_gpus():
+    names = {g.name for g in CATALOGUE}
+    assert names == {
+        "RTX 4090", "L4", "A10G", "L40S", "A100-40GB", "A100-80GB", "H100-SXM", "H200",
+    }  # fmt: skip
+    for gpu in CATALOGUE:
+        assert gpu.memory_bytes == int(gpu.memory_gib * GIB)
+        assert gpu.bandwidth_gbps > 0 and gpu.bf16_tflops > 0 and gpu.price_per_hour > 0
+    assert find_gpu("4090").memory_bytes == 24 * GIB
+    assert find_gpu("H100").bf16_tflops == 989 and find_gpu("H100").fp8_tflops == 1979
+    assert find_gpu("A100-80GB").fp8_tflops is None  # Ampere: no fp8 tensor cores
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        ("4090", "RTX 4090"),
+        ("rtx 4090", "RTX 4090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),  # torch.cuda.get_device_name()
+        ("l4", "L4"),
+        ("l40s", "L40S"),
+        ("A100-80GB", "A100-80GB"),
+        ("a100 80gb", "A100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+        ("H100", "H100-SXM"),
+        ("NVIDIA H100 80GB HBM3", "H100-SXM"),
+        ("h200", "H200"),
+    ],
+)
+def test_lookup_by_name_and_alias(query, name):
+    assert find_gpu(query).name == name
+
+
+def test_unknown_or_ambiguous_name():
+    with pytest.raises(GpuCatalogError, match="unknown GPU 'A100'; known: .*A100-40GB"):
+        find_gpu("A100")
+
+
+def test_user_yaml_overrides_and_adds(tmp_path):
+    path = tmp_path / "gpus.yaml"
+    path.write_text(
+        "gpus:\n"
+        "  h100:\n"
+        "    price_per_hour: 2.10\n"
+        "  RTX 3090:\n"
+        "    memory_gib: 24\n"
+        "    bandwidth_gbps: 936\n"
+        "    bf16_tflops: 71\n"
+        "    price_per_hour: 0.22\n"
+        "    aliases: [3090]\n"
+    )
+    gpus = load_gpus(path)
+    h100 = find_gpu("H100", gpus)
+    assert h100.price_per_hour == 2.10 and h100.bf16_tflops == 989  # other fields kept
+    assert len([g for g in gpus.values() if g.name == "H100-SXM"]) == 1
+    rtx3090 = find_gpu("3090", gpus)
+    assert rtx3090.memory_bytes == 24 * GIB and rtx3090.fp8_tflops is None
+    assert rtx3090.interconnect == "unknown" and rtx3090.interconnect_gbps is None
+    assert find_gpu("H100").price_per_hour == 2.99  # the built-in catalogue is untouched
+
+
+def test_user_json_list(tmp_path):
+    path = tmp_path / "gpus.json"
+    entry = {"name": "B200", "memory_gib": 180, "bandwidth_gbps": 8000, "bf16_tflops": 2250}
+    path.write_text(json.dumps([{**entry, "fp8_tflops": 4500, "price_per_hour": 6}]))
+    assert load_gpus(path)["B200"].fp8_tflops == 4500.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("RTX 3090: {memory_gib: 24, bf16_tflops: 71, price_per_hour: 0.2}",
+         "GPU 'RTX 3090': new GPU lacks required field 'bandwidth_gbps'"),
+        ("H100: {price_per_hour: cheap}", "GPU 'H100': field 'price_per_hour' must be a number"),
+        ("L4: {memory_gib: -24}", "GPU 'L4': field 'memory_gib' must be positive"),
+        ("L4: {memroy_gib: 24}", "GPU 'L4': unknown field 'memroy_gib'"),
+        ("L4: 24", "GPU 'L4': expected a mapping of fields"),
+        ("- {memory_gib: 24}", "every GPU in the list needs a 'name'"),
+        ("just text", "expected a mapping of GPU name"),
+        ("L4: {memory_gib: [24", "cannot read GPU file"),
+    ],
+)  # fmt: skip
+def test_bad_user_file(tmp_path, text, message):
+    path = tmp_path / "gpus.yaml"
+    path.write_text(text)
+    with pytest.raises(GpuCatalogError, match=message):
+        load_gpus(path)
