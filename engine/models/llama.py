@@ -19,7 +19,8 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.errors import ModelLoadError
 from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
-from engine.models.rotary import apply_rotary, cos_sin_cache
+from engine.models.ops import make_ops
+from engine.models.rotary import cos_sin_cache
 
 
 @dataclass(slots=True)
@@ -50,9 +51,11 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         max_positions: int,
         backend: AttentionBackend | None = None,
+        ops: str = "torch",
     ) -> None:
         self.config = config
         self.backend = backend or TorchAttentionBackend()
+        self.ops = make_ops(ops)
         self.scale = config.head_dim**-0.5
         self.embed = _take(weights, "model.embed_tokens.weight")
         self.layers = [self._layer(weights, i) for i in range(config.num_layers)]
@@ -61,7 +64,8 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = _take(weights, "lm_head.weight")
-        self.cos_sin = cos_sin_cache(config.rope, config.head_dim, max_positions)
+        device = self.embed.device
+        self.cos_sin = cos_sin_cache(config.rope, config.head_dim, max_positions).to(device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 
@@ -102,29 +106,28 @@ class LlamaModel:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
-        cfg = self.config
-        cos_sin = self.cos_sin[positions]
-        cos, sin = cos_sin[:, None, 0].to(self.dtype), cos_sin[:, None, 1].to(self.dtype)
+        cfg, ops = self.config, self.ops
+        rotary = ops.rotary_inputs(positions, self.cos_sin, self.dtype)
         hidden = F.embedding(input_ids, self.embed)
         residual = hidden
         for i, layer in enumerate(self.layers):
             if i == 0:
-                hidden = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+                hidden = ops.rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             else:
-                hidden, residual = _add_norm(hidden, residual, layer.input_norm, cfg.rms_norm_eps)
-            hidden = self._attention(hidden, layer, cos, sin, kv_caches[i], meta)
-            hidden, residual = _add_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = linear(hidden, layer.gate_up).chunk(2, dim=-1)
-            hidden = linear(F.silu(gate).mul_(up), layer.down)
-        hidden, _ = _add_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
+                hidden, residual = ops.add_rms_norm(
+                    hidden, residual, layer.input_norm, cfg.rms_norm_eps
+                )
+            hidden = self._attention(hidden, layer, rotary, kv_caches[i], meta)
+            hidden, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
+            hidden = linear(ops.silu_and_mul(linear(hidden, layer.gate_up)), layer.down)
+        hidden, _ = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         return hidden
 
     def _attention(
         self,
         x: torch.Tensor,
         layer: LayerWeights,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -133,10 +136,10 @@ class LlamaModel:
         qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None:
-            q = rms_norm(
+            q = self.ops.rms_norm(
                 q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps
             )
-            k = rms_norm(
+            k = self.ops.rms_norm(
                 k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                 layer.k_norm,
                 cfg.rms_norm_eps,
@@ -147,7 +150,7 @@ class LlamaModel:
                 num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
             )
         # q and k heads rotate together: one rotary pass over [T, Hq + Hkv, D].
-        qk = apply_rotary(qk, cos, sin)
+        qk = self.ops.rotary(qk, rotary)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache

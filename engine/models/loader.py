@@ -71,7 +71,7 @@ def load_model(
     weights = load_weights(model_dir, dtype)
     _check_shapes(config, weights)
     weights = {name: t.to(device) for name, t in weights.items()}
-    return LlamaModel(config, weights, max_positions, attention_backend(kernels))
+    return LlamaModel(config, weights, max_positions, attention_backend(kernels), ops=kernels)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

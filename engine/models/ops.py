@@ -6,9 +6,11 @@ The model holds one and calls ops.rms_norm / add_rms_norm / rotary / silu_and_mu
 is a configuration choice made once, by make_ops.
 
 Shared contract: outputs are in the input's dtype; add_rms_norm returns (normed, x + residual)
-as fresh tensors and modifies neither input; rotary rotates qk [T, H, D] in place (unit stride
-along D) by positions [T] using the whole float32 cos_sin table [max_positions, 2, D] from
-engine.models.rotary.cos_sin_cache, on qk's device, and returns qk.
+as fresh tensors and modifies neither input. Rotary is two calls: `rotary_inputs(positions,
+cos_sin)` once per step (positions [T], the whole float32 table [max_positions, 2, D] from
+engine.models.rotary.cos_sin_cache), then `rotary(qk, inputs)` per layer on qk [T, H, D] (unit
+stride along D), which returns the rotated tensor: torch gathers the step's cos/sin rows once
+and rotates out of place (the fastest on CPU), Triton rotates in place reading the table.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._add_norm(x, residual, w, eps)
 
-    def rotary(
-        self, qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-    ) -> torch.Tensor:
+    def rotary_inputs(
+        self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         table = cos_sin[positions]
-        cos, sin = table[:, None, 0].to(qk.dtype), table[:, None, 1].to(qk.dtype)
-        return qk.copy_(apply_rotary(qk, cos, sin))
+        return table[:, None, 0].to(dtype), table[:, None, 1].to(dtype)
+
+    def rotary(self, qk: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return apply_rotary(qk, *inputs)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -83,10 +87,13 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._add_rms_norm(x, residual, w, eps)
 
-    def rotary(
-        self, qk: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-    ) -> torch.Tensor:
-        return self._rotary(qk, positions, cos_sin)
+    def rotary_inputs(
+        self, positions: torch.Tensor, cos_sin: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return positions, cos_sin
+
+    def rotary(self, qk: torch.Tensor, inputs: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self._rotary(qk, *inputs)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._silu_and_mul(gate_up)

@@ -139,7 +139,7 @@ def test_rotary_in_place_on_the_qk_view(
     positions[0] = MAX_POSITIONS - 1
     cos_sin = cos_sin_cache(rope, head_dim, MAX_POSITIONS).to(DEVICE)
     v_before = qkv[:, qk.shape[1] * head_dim :].clone()
-    expected = REF.rotary(qk.clone(), positions, cos_sin)
+    expected = REF.rotary(qk.clone(), REF.rotary_inputs(positions, cos_sin, dtype))
 
     assert apply_rotary_inplace(qk, positions, cos_sin) is qk
     _close(qk, expected)
@@ -196,10 +196,10 @@ def test_torch_and_triton_ops_agree() -> None:
     qk = _rand(gen, 7, 4, 64)
     positions = torch.tensor([5, 0, 300, 2, 2, 1023, 17], device=DEVICE)
     cos_sin = cos_sin_cache(LLAMA3_ROPE, 64, 1024).to(DEVICE)
-    twin = qk.clone()
-    assert torch_ops.rotary(twin, positions, cos_sin) is twin  # in place on the torch side too
-    assert triton_ops.rotary(qk, positions, cos_sin) is qk
-    _close(qk, twin)
+    expected = torch_ops.rotary(qk.clone(), torch_ops.rotary_inputs(positions, cos_sin, qk.dtype))
+    rotated = triton_ops.rotary(qk, triton_ops.rotary_inputs(positions, cos_sin, qk.dtype))
+    assert rotated is qk  # in place on the Triton side
+    _close(qk, expected)
 
 
 def test_make_ops_rejects_unknown_kind() -> None:
