@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config import EngineConfig
-from engine.device_memory import check_fits, profile_gpu_memory
+from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
 from engine.errors import InvalidRequestError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.loader import load_model, resolve_device, resolve_dtype, resolve_kernels
@@ -50,6 +50,7 @@ class EngineCore:
         self.model = load_model(
             model_dir, self.dtype, self.device, self.max_model_len, self.kernels
         )
+        self.memory_profile: MemoryProfile | None = None  # set when sized by profiling (GPU)
         self.num_blocks = self._num_kv_blocks()
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -95,6 +96,7 @@ class EngineCore:
                 self.max_model_len,
                 cfg.block_size,
             )
+            self.memory_profile = profile
             blocks = profile.kv_budget // bytes_per_block
             check_fits(blocks, cfg.block_size, self.max_model_len)
             return int(blocks)

@@ -450,7 +450,9 @@ def paged_decode(
         part_out = torch.empty(
             (num_reqs, num_heads, max_parts, head_dim), dtype=torch.float32, device=q.device
         )
-        part_max = torch.empty((num_reqs, num_heads, max_parts), dtype=torch.float32, device=q.device)
+        part_max = torch.empty(
+            (num_reqs, num_heads, max_parts), dtype=torch.float32, device=q.device
+        )
         part_sum = torch.empty_like(part_max)
     else:  # unused by the kernel
         part_out = part_max = part_sum = out
@@ -500,7 +502,7 @@ def paged_prefill(
     group = _check_shapes(q, k_cache, v_cache)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    head_dim = q.shape[2]
     if out is None:
         out = torch.empty_like(q)
     num_reqs = seq_lens.shape[0]
