@@ -93,16 +93,23 @@ def replay_command(
         typer.Option(help="Local HF tokenizer folder of the served model (vocab / text)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Prompt tokens and poisson arrivals.")] = 0,
+    block_size: Annotated[
+        int, typer.Option(help="Tokens per hash_id block, as the trace was written.")
+    ] = 512,
     plots: Annotated[Path | None, typer.Option(help="Write PNG plots into this folder.")] = None,
 ) -> None:
     """Replay a trace against a server: exact prompt and output lengths, streamed and timed."""
     from workload.metrics import parse_slo
+    from workload.prompt_tokens import check_block_size
     from workload.replay import ReplayConfig, replay
     from workload.trace import TraceError, read_trace
 
     try:
         records = read_trace(trace)
         slo_ms = parse_slo(slo) if slo else None
+        if block_size < 1:
+            raise ValueError("--block-size must be at least 1")
+        check_block_size(records, block_size)
     except (TraceError, ValueError) as exc:
         raise _fail(str(exc)) from None
     if not records:
@@ -130,7 +137,7 @@ def replay_command(
     )
     try:
         config.check()
-        prompt_fn = _prompt_fn(prompt_mode.value, tokenizer, seed)
+        prompt_fn = _prompt_fn(prompt_mode.value, tokenizer, seed, block_size)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     total = min(len(records), max_requests) if max_requests is not None else len(records)
@@ -138,6 +145,7 @@ def replay_command(
         "trace": str(trace),
         "prompt_mode": prompt_mode.value,
         "tokenizer": str(tokenizer) if tokenizer else None,
+        "block_size": block_size,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     with _Progress(total) as on_done:
@@ -155,15 +163,15 @@ def replay_command(
         raise typer.Exit(1)
 
 
-def _prompt_fn(prompt_mode: str, tokenizer: Path | None, seed: int) -> PromptFn:
+def _prompt_fn(prompt_mode: str, tokenizer: Path | None, seed: int, block: int) -> PromptFn:
     from workload.prompt_tokens import DEFAULT_VOCAB, TextPrompts, TokenPrompts, load_tokenizer
 
     if prompt_mode == "text":
         if tokenizer is None:
             raise ValueError("--prompt-mode text needs --tokenizer PATH (the server's tokenizer)")
-        return TextPrompts(load_tokenizer(tokenizer), seed).prompt
+        return TextPrompts(load_tokenizer(tokenizer), seed, block_tokens=block).prompt
     vocab = load_tokenizer(tokenizer).vocab_size if tokenizer is not None else DEFAULT_VOCAB
-    return TokenPrompts(vocab, seed).prompt
+    return TokenPrompts(vocab, seed, block_tokens=block).prompt
 
 
 class _Progress:
