@@ -177,17 +177,18 @@ def test_cli_writes_the_result_and_plots(tmp_path, monkeypatch):
 
 def test_cli_rejects_bad_arguments(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    write_trace(trace, [TraceRecord(0, 20, 3, hash_ids=list(range(21)))])
-    base = ["workload", "replay", str(trace), "--base-url", "http://127.0.0.1:9/v1"]
-    base += ["--model", "m", "-o", str(tmp_path / "r.json")]
-    for extra, words in (
-        (["--mode", "concurrency"], "concurrency"),
-        (["--slo", "ttft"], "SLO"),
-        (["--prompt-mode", "text"], "--tokenizer"),
-        (["--api-key-env", "NIGHTSHIFT_TEST_UNSET_KEY"], "NIGHTSHIFT_TEST_UNSET_KEY"),
-        (["--block-size", "1"], "--block-size"),  # 20 tokens cannot hold 21 blocks
+    write_trace(trace, _trace([3]))
+    fine_blocks = tmp_path / "blocks16.jsonl"  # 2 blocks of 16 for 20 tokens: not 512-token ones
+    write_trace(fine_blocks, [TraceRecord(0, 20, 3, hash_ids=[0, 1])])
+    tail = ["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "-o", str(tmp_path / "r.json")]
+    for path, extra, words in (
+        (trace, ["--mode", "concurrency"], "concurrency"),
+        (trace, ["--slo", "ttft"], "SLO"),
+        (trace, ["--prompt-mode", "text"], "--tokenizer"),
+        (trace, ["--api-key-env", "NIGHTSHIFT_TEST_UNSET_KEY"], "NIGHTSHIFT_TEST_UNSET_KEY"),
+        (fine_blocks, [], "--block-size"),
     ):
-        run = CliRunner().invoke(app, base + extra)
+        run = CliRunner().invoke(app, ["workload", "replay", str(path), *tail, *extra])
         assert run.exit_code == 2 and words in run.output, run.output
 
 
