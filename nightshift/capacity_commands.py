@@ -167,3 +167,42 @@ def _prices(text: str | None) -> dict:
     except ValueError:
         raise _fail(f"--api-price-per-mtok must be IN,OUT (USD), not {text!r}") from None
     return {"api_price_in": price_in, "api_price_out": price_out}
+
+
+@capacity_app.command("validate")
+def validate(
+    train: Annotated[Path, typer.Option(help="Trace replayed while profiling (calibration).")],
+    test: Annotated[Path, typer.Option(help="A different trace: predicted, then replayed.")],
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    num_kv_blocks: Annotated[int, typer.Option()] = 1200,
+    max_num_seqs: Annotated[int, typer.Option()] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option()] = 512,
+    max_model_len: Annotated[int, typer.Option()] = 2048,
+    workdir: Annotated[Path, typer.Option(help="Profiles and replay results.")] = Path(
+        "capacity-validation"
+    ),
+    out: Annotated[Path, typer.Option("-o", "--out")] = Path("capacity-validation.json"),
+) -> None:
+    """Calibrate on one trace's replay, predict another's, replay it, print the errors."""
+    from capacity.validate import ValidationSettings, run_validation
+    from workload.trace import TraceError, read_trace
+
+    try:
+        train_records, test_records = read_trace(train), read_trace(test)
+    except TraceError as exc:
+        raise _fail(str(exc)) from None
+    settings = ValidationSettings(
+        model, num_kv_blocks, 16, max_num_seqs, max_num_batched_tokens, max_model_len
+    )
+    result = run_validation(train_records, test_records, settings, workdir, _machine_name())
+    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    cal = result.calibration
+    typer.echo(
+        f"calibrated on {train} ({cal.steps} steps, mean step error "
+        f"{cal.mean_abs_error_pct:.1f}%), predicted {test}:\n"
+        f"  makespan  real {result.real_makespan_s:.1f} s, predicted "
+        f"{result.predicted_makespan_s:.1f} s: {result.makespan_error_pct:+.1f}%\n"
+        f"  mean E2E  real {result.real_mean_e2e_s:.1f} s, predicted "
+        f"{result.predicted_mean_e2e_s:.1f} s: {result.e2e_error_pct:+.1f}%\n"
+        f"wrote {out}"
+    )

@@ -1,0 +1,133 @@
+"""The planner's answers and the report built from them, on a small trace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from capacity.gpus import find_gpu
+from capacity.memory import plan_memory
+from capacity.model_specs import load_model_spec
+from capacity.planner import PlanSettings, api_cost, plan_gpu
+from capacity.report import build_report, render
+from nightshift.cli import app
+from workload.trace import TraceRecord, write_trace
+
+
+def _trace(papers: int = 6) -> list[TraceRecord]:
+    records = []
+    for p in range(papers):
+        records.append(TraceRecord(0, 400 + 10 * p, 120, [100 + p], kind="summary"))
+        records.append(TraceRecord(0, 460 + 10 * p, 300, [100 + p], kind="review"))
+    return records
+
+
+def test_plan_memory_cost_and_deadline():
+    spec, gpu = load_model_spec("Llama-3.1-8B"), find_gpu("4090")
+    settings = PlanSettings(max_num_seqs=64, max_num_batched_tokens=2048)
+    plan = plan_gpu(spec, _trace(), gpu, 1, settings)
+    expected = plan_memory(
+        spec,
+        gpu.memory_bytes,
+        dtype="bf16",
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+        max_model_len=1024,
+    )
+    assert plan.memory.num_blocks == expected.num_blocks
+    assert plan.sim is not None and plan.replicas == 1
+    assert all(r.finish_s is not None for r in plan.sim.requests)
+    assert plan.cost_per_night == pytest.approx(plan.sim.makespan_s / 3600 * gpu.price_per_hour)
+    assert "datasheet estimate" in plan.basis
+    # A deadline shorter than one GPU's makespan needs more replicas, each within the deadline.
+    deadline = plan.sim.makespan_s / 2.5
+    split = plan_gpu(
+        spec,
+        _trace(),
+        gpu,
+        1,
+        PlanSettings(max_num_seqs=64, max_num_batched_tokens=2048, deadline_s=deadline),
+    )
+    assert split.replicas >= 3 and split.replica_makespan_s <= deadline
+    assert split.gpus == split.replicas
+
+
+def test_what_does_not_fit_says_why():
+    plan = plan_gpu(load_model_spec("Llama-3.1-70B"), _trace(), find_gpu("L4"), 1, PlanSettings())
+    assert plan.memory is None and plan.sim is None and "weights" in plan.error
+
+
+def test_api_cost_is_tokens_times_prices():
+    trace = _trace(2)
+    tokens_in = sum(r.input_length for r in trace)
+    tokens_out = sum(r.output_length for r in trace)
+    cost = api_cost(trace, PlanSettings(api_price_in=0.15, api_price_out=0.6))
+    assert cost == pytest.approx((tokens_in * 0.15 + tokens_out * 0.6) / 1e6)
+    assert api_cost(trace, PlanSettings()) is None
+
+
+def test_report_files_label_every_figure(tmp_path):
+    spec = load_model_spec("Llama-3.1-8B")
+    gpus = [find_gpu("4090"), find_gpu("H100")]
+    settings = PlanSettings(
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        deadline_s=600,
+        api_price_in=0.15,
+        api_price_out=0.6,
+    )
+    report = build_report(spec, _trace(), "a test trace", gpus, [1, 2], settings)
+    paths = render(report, tmp_path / "plan.html")
+    html = (tmp_path / "plan.html").read_text()
+    md = (tmp_path / "plan.md").read_text()
+    assert all(p.exists() and p.stat().st_size > 0 for p in paths)
+    assert html.count("datasheet estimate") >= 4 and "pending a gpu measurement" in html.lower()
+    assert "data:image/png;base64," in html and "plan-scaling.png" in md
+    blocks = report.plans[0].memory.num_blocks
+    assert "| RTX 4090 | 1 | 24.00 |" in md and f"| {blocks} |" in md
+    assert "cloud API" in md and len(report.scaling["RTX 4090"]) == 5
+    assert all(not math.isnan(m) for _, m in report.scaling["H100-SXM"])
+
+
+def test_report_command(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, _trace(3))
+    result = CliRunner().invoke(
+        app,
+        [
+            "capacity",
+            "report",
+            "--model",
+            "Qwen2.5-7B",
+            "--trace",
+            str(trace),
+            "--gpus",
+            "L4,A100-80GB",
+            "--papers",
+            "4",
+            "--deadline",
+            "1h",
+            "--api-price-per-mtok",
+            "0.1,0.4",
+            "-o",
+            str(tmp_path / "r.html"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r.md").exists() and "Qwen2.5-7B" in (tmp_path / "r.md").read_text()
+    bad = CliRunner().invoke(
+        app,
+        [
+            "capacity",
+            "report",
+            "--model",
+            "Qwen2.5-7B",
+            "--gpus",
+            "A100",
+            "-o",
+            str(tmp_path / "x.html"),
+        ],
+    )
+    assert bad.exit_code == 2 and "A100" in bad.output
