@@ -3,29 +3,15 @@ random model with the default tokenizer) on loopback, the calls go through it, a
 
 from __future__ import annotations
 
-import shutil
-
 from digest.pipeline import run_digest
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
-from engine.model_fetch import fetch_default_model
 from tests.digest.test_pipeline import DAY, options
-from tests.engine.tiny_models import build_tiny_model
+from tests.engine.server.live_server import build_chat_model
 
 
 def test_local_endpoint_runs_our_server(tmp_path, sqlite_url):
-    model = build_tiny_model(
-        "llama",
-        tmp_path / "tiny",
-        vocab_size=49152,
-        eos_token_id=2,
-        bos_token_id=1,
-        max_position_embeddings=2048,
-    )
-    default = fetch_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default / name).exists():
-            shutil.copy(default / name, model / name)
+    model = build_chat_model(tmp_path / "tiny", max_position_embeddings=2048)
     run = options(
         tmp_path,
         sqlite_url,

@@ -4,20 +4,10 @@ agree with the server's own /metrics counters."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import threading
-import time
-
 import httpx
 import pytest
-import uvicorn
 
-from engine.async_engine import AsyncEngine
-from engine.config import EngineConfig
-from engine.model_fetch import fetch_default_model
-from engine.server.app import create_app
-from tests.engine.tiny_models import build_tiny_model
+from tests.engine.server.live_server import build_chat_model, live_server
 from workload.prompt_tokens import TextPrompts, TokenPrompts, load_tokenizer
 from workload.replay import ReplayConfig, replay
 from workload.trace import TraceRecord
@@ -44,34 +34,13 @@ SHARED_HIT = 112  # 7 whole 16-token blocks of the shorter prompt (120 tokens)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = build_tiny_model(
-        "llama", tmp_path_factory.mktemp("replay"), vocab_size=49152, eos_token_id=2, bos_token_id=1
-    )
-    default = fetch_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default / name).exists():
-            shutil.copy(default / name, path / name)
-    return path
+    return build_chat_model(tmp_path_factory.mktemp("replay"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), max_model_len=MAX_MODEL_LEN))
-    app = create_app(engine, MODEL)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+    with live_server(model_dir, MODEL, max_model_len=MAX_MODEL_LEN) as (url, _engine):
+        yield url
 
 
 def _counters(url: str) -> dict[str, float]:

@@ -4,57 +4,30 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
-from engine.model_fetch import fetch_default_model
 from engine.request import RequestStatus
 from engine.server.app import create_app
-from tests.engine.tiny_models import build_tiny_model
+from tests.engine.server.live_server import build_chat_model, live_server
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    # A tiny random model that borrows the default model's tokenizer (text in, text out).
-    path = build_tiny_model(
-        "llama", tmp_path_factory.mktemp("srv"), vocab_size=49152, eos_token_id=2, bos_token_id=1
-    )
-    default = fetch_default_model()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (default / name).exists():
-            shutil.copy(default / name, path / name)
-    return path
+    return build_chat_model(tmp_path_factory.mktemp("srv"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = AsyncEngine(EngineConfig(model=str(model_dir), max_model_len=256))
-    app = create_app(engine, MODEL, api_key="secret")
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+    with live_server(model_dir, MODEL, api_key="secret", max_model_len=256) as running:
+        yield running
 
 
 def _client(url: str) -> openai.OpenAI:
