@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
@@ -23,6 +24,9 @@ from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.structured.bitmask import GrammarMask, fill_grammar_mask
+from engine.structured.grammar import GrammarCompiler, parse_spec
+from engine.structured.matcher import RequestMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,13 @@ class CoreOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir: Path,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        """tokenizer: only for structured output (grammars are compiled against it)."""
         config.validate()
         self.config = config
         if config.num_threads:
@@ -62,6 +72,11 @@ class EngineCore:
             self.runner.capture_cuda_graphs(self.max_model_len, config.max_num_seqs)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.grammars = (
+            GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+            if tokenizer is not None
+            else None
+        )
         self.requests: dict[str, Request] = {}
         self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self._arrivals = itertools.count()
@@ -127,6 +142,7 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self._check_prompt(prompt_token_ids, params)
+        matcher = self._matcher(params)
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
@@ -139,6 +155,7 @@ class EngineCore:
             min_tokens_stop_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else self.eos_token_ids),
             generator=self._generator(params),
+            matcher=matcher,
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -173,6 +190,14 @@ class EngineCore:
                 f"{self.max_request_tokens} tokens"
             )
         return max_tokens
+
+    def _matcher(self, params: SamplingParams) -> RequestMatcher | None:
+        """A fresh grammar state for a constrained request (each of n samples gets its own)."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError("structured output needs a tokenizer; this engine has none")
+        return self.grammars.matcher(parse_spec(params.structured))
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy:
@@ -236,14 +261,34 @@ class EngineCore:
             )
             for r in requests
         ]
-        out = self.sampler(logits, rows)
+        out = self.sampler(logits, rows, self._grammar_mask(requests))
         now = time.time()
-        for request, logprobs in zip(requests, out.logprobs):
+        for request, logprobs, token in zip(requests, out.logprobs, out.token_ids):
             if logprobs is not None:
                 request.output_logprobs.append(logprobs)
             if request.first_token_time is None:
                 request.first_token_time = now
+            if request.matcher is not None:
+                self._accept(request, token)
         return {r.request_id: t for r, t in zip(requests, out.token_ids)}
+
+    def _grammar_mask(self, requests: list[Request]) -> GrammarMask | None:
+        if self.grammars is None:
+            return None
+        return fill_grammar_mask([r.matcher for r in requests], self.grammars.bitmask_words)
+
+    def _accept(self, request: Request, token: int) -> None:
+        """Advance the request's grammar; the scheduler ends the request once it is complete."""
+        if not request.matcher.accept(token):
+            # Only reachable when a later filter masked every token the grammar allowed, leaving
+            # the row all -inf. The matcher is now in its error state, which counts as
+            # terminated, so the request ends rather than producing text outside its grammar.
+            logger.warning(
+                "request %s: token %d breaks its grammar (%s); stopping it",
+                request.request_id,
+                token,
+                request.matcher.error,
+            )
 
     def _add_prompt_logprobs(self, request: Request, first: int, logits: torch.Tensor) -> None:
         k = request.params.prompt_logprobs or 0

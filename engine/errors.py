@@ -12,3 +12,7 @@ class InvalidSamplingParamsError(InvalidRequestError):
 
 class ModelLoadError(ValueError):
     """A model folder that is missing, malformed or of an unsupported architecture."""
+
+
+class InvalidStructuredOutputError(InvalidSamplingParamsError):
+    """A structured-output constraint (JSON schema, regex, choice list) that cannot be compiled."""

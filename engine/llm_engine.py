@@ -44,8 +44,8 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model_dir = resolve_model(config.model)
-        self.core = EngineCore(config, model_dir)
         self.tokenizer = load_tokenizer(model_dir)
+        self.core = EngineCore(config, model_dir, self.tokenizer)
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, str] = {}
 

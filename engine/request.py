@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.matcher import RequestMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +49,8 @@ class Request:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks
     generator: torch.Generator | None = None
+    # Structured output: the grammar state after output_token_ids (None: unconstrained).
+    matcher: RequestMatcher | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

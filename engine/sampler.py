@@ -1,9 +1,10 @@
 """Turns one step's logits into next tokens, with vLLM v1 semantics.
 
-Order per row: logprobs of the raw logits (before anything below), repetition penalty, frequency and
-presence penalties, min_tokens masking; then greedy rows take the argmax and random rows go through
-temperature, min_p, top_k, top_p and a draw from their own generator. Work is batched over rows;
-rows that do not use a feature pay nothing for it.
+Order per row: logprobs of the raw logits (before anything below), the structured-output grammar
+mask (constrained rows only), repetition penalty, frequency and presence penalties, min_tokens
+masking; then greedy rows take the argmax and random rows go through temperature, min_p, top_k,
+top_p and a draw from their own generator. Work is batched over rows; rows that do not use a
+feature pay nothing for it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from engine.outputs import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import GrammarMask, apply_grammar_mask
 
 # Below this temperature a row is sampled greedily, as in vLLM: dividing by it would overflow.
 _GREEDY_TEMPERATURE = 1e-5
@@ -48,14 +50,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Sample one token per row. logits: float32 [len(rows), vocab], modified in place."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], grammar: GrammarMask | None = None
+    ) -> SamplerOutput:
+        """Sample one token per row. logits: float32 [len(rows), vocab], modified in place;
+        grammar: the allowed tokens of the structured-output rows, if any."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         if not rows:
             return SamplerOutput([], [])
         # Logprobs report the model's own distribution, so they are taken before any processing.
         raw_logprobs = _raw_logprobs(logits, rows)
+        if grammar is not None:
+            apply_grammar_mask(logits, grammar)
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
         token_ids = _sample(logits, rows).tolist()

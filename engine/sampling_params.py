@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
+from engine.structured.grammar import parse_spec
 
 # torch generators take 64-bit seeds; n > 1 samples use seed + index, so keep room for the index.
 _MAX_SAMPLES = 1 << 16
@@ -34,6 +35,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output: {"json": schema}, {"regex": pattern} or {"choice": [strings]}; the output
+    # is constrained to it and the request stops when it is complete (engine/structured/).
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +89,8 @@ class SamplingParams:
             raise bad("logprobs", self.logprobs, ">= 0")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise bad("prompt_logprobs", self.prompt_logprobs, ">= 0")
+        if self.structured is not None:
+            parse_spec(self.structured)  # raises InvalidStructuredOutputError naming the problem
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """Parameters for the index-th of n samples: n=1, and a distinct seed when one is set."""

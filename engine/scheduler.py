@@ -138,6 +138,8 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
         num_out = len(request.output_token_ids)
+        if request.matcher is not None and request.matcher.terminated:
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing may follow
         if num_out >= params.min_tokens:
             if token in params.stop_token_ids:
                 request.stop_reason = token

@@ -215,6 +215,37 @@ def bench_serve(
             json.dump(report, f, indent=2)
 
 
+@bench_app.command("structured")
+def bench_structured(
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    papers: Annotated[
+        str, typer.Option(help="Papers file (JSON/JSONL/Atom) for the review prompts.")
+    ] = "examples/papers-2026-03-sample.jsonl",
+    num_papers: Annotated[int | None, typer.Option(help="First N papers; default all.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Per review; default the digest's.")] = 768,
+    frequency_penalty: Annotated[float, typer.Option()] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option()] = 1.0,
+    repeats: Annotated[int, typer.Option(help="Constrained / same-length pairs.")] = 1,
+    threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Constrained decoding vs free on the digest's review prompts: tok/s and parse failures."""
+    from engine.structured.bench import StructuredBenchConfig, run_structured_bench
+
+    cfg = StructuredBenchConfig(
+        model=model,
+        papers=papers,
+        num_papers=num_papers,
+        max_tokens=max_tokens,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        repeats=repeats,
+        threads=threads,
+        json_out=json_out,
+    )
+    run_structured_bench(cfg, echo=typer.echo)
+
+
 app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
 app.add_typer(workload_app, name="workload")

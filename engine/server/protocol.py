@@ -2,9 +2,40 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.errors import InvalidStructuredOutputError
 from engine.sampling_params import SamplingParams
+from engine.structured.grammar import parse_spec
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured(self) -> dict | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json": {"type": "object"}}
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidStructuredOutputError(
+                "response_format: json_schema.schema is required for type json_schema"
+            )
+        return {"json": self.json_schema.schema_}
 
 
 class _Sampling(BaseModel):
@@ -27,6 +58,11 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
+    # Structured output: OpenAI's response_format, or vLLM's guided_* fields (one of them).
+    response_format: ResponseFormat | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -49,7 +85,35 @@ class _Sampling(BaseModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            structured=self.structured_output(),
         )
+
+    def structured_output(self) -> dict | None:
+        """The engine's `structured` constraint; an error names the field it came from."""
+        given = {
+            name: spec
+            for name, spec in (
+                ("response_format", self.response_format and self.response_format.structured()),
+                ("guided_json", _tagged("json", self.guided_json)),
+                ("guided_regex", _tagged("regex", self.guided_regex)),
+                ("guided_choice", _tagged("choice", self.guided_choice)),
+            )
+            if spec is not None
+        }
+        if len(given) > 1:
+            raise InvalidStructuredOutputError(f"give only one of {', '.join(given)}")
+        if not given:
+            return None
+        ((name, spec),) = given.items()
+        try:
+            parse_spec(spec)
+        except InvalidStructuredOutputError as e:
+            raise InvalidStructuredOutputError(f"{name}: {e}") from None
+        return spec
+
+
+def _tagged(kind: str, value: object) -> dict | None:
+    return None if value is None else {kind: value}
 
 
 class ChatMessage(BaseModel):

@@ -222,10 +222,10 @@ def test_engine_keeps_serving_after_a_step_fails(model_dir, monkeypatch):
     sampler = llm.engine.core.sampler
     calls = iter([True])
 
-    def failing_once(logits, rows):
+    def failing_once(logits, rows, grammar=None):
         if next(calls, False):
             raise RuntimeError("sampler failure")
-        return sampler(logits, rows)
+        return sampler(logits, rows, grammar)
 
     monkeypatch.setattr(llm.engine.core, "sampler", failing_once)
     with pytest.raises(RuntimeError, match="sampler failure"):
