@@ -46,12 +46,29 @@ def review_response_format() -> dict:
     # Strict mode wants every property required (nullable ones via anyOf null) and no extras.
     schema["required"] = list(schema["properties"])
     schema["additionalProperties"] = False
-    for prop in schema["properties"].values():
+    for name, prop in schema["properties"].items():
         prop.pop("default", None)
+        _bound(name, prop)
     return {
         "type": "json_schema",
         "json_schema": {"name": "paper_review", "schema": schema, "strict": True},
     }
+
+
+# Bounds sent with the schema (not enforced when validating a reply): a small model held to a
+# grammar can otherwise loop inside a string or a list until max_tokens cuts the JSON off. With
+# them the default model's greedy reviews close properly (19 of 20 in a measurement, 2026-11-29).
+SUMMARY_MAX_CHARS = 400
+ITEM_MAX_CHARS = 160
+LIST_MAX_ITEMS = 4
+
+
+def _bound(name: str, prop: dict) -> None:
+    if prop.get("type") == "array":
+        prop["maxItems"] = LIST_MAX_ITEMS
+        prop.setdefault("items", {})["maxLength"] = ITEM_MAX_CHARS
+    elif prop.get("type") == "string" and name == "summary":
+        prop["maxLength"] = SUMMARY_MAX_CHARS
 
 
 def parse_review(text: str, input_basis: InputBasis) -> ReviewParse:
