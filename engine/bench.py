@@ -366,7 +366,7 @@ def _max_model_len(cfg: BenchConfig) -> int:
     return longest + 16
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             info = f.read()
@@ -388,7 +388,7 @@ def _machine(mcfg: ModelConfig, cfg: BenchConfig) -> dict:
     ]
     rates = measure_matmul_rate(shapes)
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "matmul_gflops_by_shape": rates,

@@ -73,9 +73,9 @@ def calibrate(
 def _machine_name() -> str:
     import os
 
-    from engine.bench import _cpu_name
+    from engine.bench import cpu_name
 
-    return f"{_cpu_name()} ({os.cpu_count()} CPUs, {platform.machine()})"
+    return f"{cpu_name()} ({os.cpu_count()} CPUs, {platform.machine()})"
 
 
 @capacity_app.command("report")

@@ -230,7 +230,7 @@ def bench_structured(
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Constrained decoding vs free on the digest's review prompts: tok/s and parse failures."""
-    from engine.structured.bench import StructuredBenchConfig, run_structured_bench
+    from digest.review_bench import StructuredBenchConfig, run_structured_bench
 
     cfg = StructuredBenchConfig(
         model=model,

@@ -313,7 +313,7 @@ def test_default_model_reviews_all_validate():
 
 
 def test_structured_bench_runs_every_side(tiny_dir, tmp_path):
-    from engine.structured.bench import StructuredBenchConfig, run_structured_bench
+    from digest.review_bench import StructuredBenchConfig, run_structured_bench
 
     model = tmp_path / "model"  # the tiny model with room for a review prompt
     shutil.copytree(tiny_dir, model)

@@ -32,7 +32,7 @@ import torch
 from digest.prompts import REVIEW_MAX_TOKENS, paper_block, review_messages
 from digest.review_parse import parse_review, review_response_format
 from digest.sources.local_file import load_papers_file
-from engine.bench import _cpu_name
+from engine.bench import cpu_name
 from engine.llm import LLM
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ def _row(side: Side) -> str:
 def _machine() -> dict:
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
