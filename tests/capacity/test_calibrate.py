@@ -101,3 +101,53 @@ def test_bad_profiles_name_the_problem(tmp_path):
         load_samples(old)
     with pytest.raises(CalibrationError, match="too few"):
         fit([Sample(StepShape(1, 1, 1, 1), 0.1)], COSTS)
+
+
+def test_calibrate_command_writes_a_calibration(tmp_path):
+    from typer.testing import CliRunner
+
+    from capacity.calibrate import Calibration
+    from capacity.model_specs import load_model_spec
+    from capacity.perf import model_costs
+    from nightshift.cli import app
+
+    costs = model_costs(load_model_spec("SmolLM2-135M-Instruct"), "fp32")
+    model = PerfModel(costs, TRUE)
+    lines = []
+    for i, s in enumerate(_shapes(60)):
+        lines.append(
+            {
+                "step": i,
+                "wall_s": model.step_time(s),
+                "num_batched_tokens": s.num_batched_tokens,
+                "sampled_requests": s.sampled_rows,
+                "attention_pairs": s.attention_pairs,
+                "context_tokens": s.context_tokens,
+            }
+        )
+    profile = tmp_path / "steps.jsonl"
+    profile.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    out = tmp_path / "cal.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "capacity",
+            "calibrate",
+            str(profile),
+            "--model",
+            "SmolLM2-135M-Instruct",
+            "--machine",
+            "H100",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    saved = Calibration.from_json(json.loads(out.read_text()))
+    assert saved.machine == "H100" and saved.steps == 60
+    assert saved.coefficients.k_memory == pytest.approx(TRUE.k_memory, rel=1e-6)
+    bad = CliRunner().invoke(
+        app,
+        ["capacity", "calibrate", str(tmp_path / "nope.jsonl"), "--model", "SmolLM2-135M-Instruct"],
+    )
+    assert bad.exit_code == 2 and "cannot read" in bad.output
