@@ -137,6 +137,7 @@ class ChatClient:
         temperature: float = 0.0,
         seed: int | None = None,
         response_format: dict | None = None,
+        frequency_penalty: float | None = None,
     ) -> ChatResult:
         """One completion, retried on transient failures; raises ChatCallError when it gives up."""
         started_at, t0 = datetime.now(UTC), time.monotonic()
@@ -144,6 +145,8 @@ class ChatClient:
         while True:
             send_format = response_format if self.json_schema_supported is not False else None
             body = self._body(messages, max_tokens, temperature, seed, send_format)
+            if frequency_penalty is not None:
+                body["frequency_penalty"] = frequency_penalty
             attempts += 1
             try:
                 async with self._slots:

@@ -21,6 +21,7 @@ from digest.paper import Paper
 from digest.progress import ProgressSink
 from digest.prompts import (
     PROMPT_VERSION,
+    REVIEW_FREQUENCY_PENALTY,
     REVIEW_MAX_TOKENS,
     SUMMARY_MAX_TOKENS,
     paper_block,
@@ -328,7 +329,12 @@ class _PaperCalls:
                     else (review_response_format())
                 )
                 result = await self._call(
-                    item, "review", review_messages(block, item.basis), REVIEW_MAX_TOKENS, fmt
+                    item,
+                    "review",
+                    review_messages(block, item.basis),
+                    REVIEW_MAX_TOKENS,
+                    fmt,
+                    REVIEW_FREQUENCY_PENALTY,
                 )
                 parsed = parse_review(result.text, item.basis)
                 self.store.save_review(
@@ -353,6 +359,7 @@ class _PaperCalls:
         messages: list[dict],
         max_tokens: int,
         response_format: dict | None = None,
+        frequency_penalty: float | None = None,
     ) -> ChatResult:
         record = CallRecord(
             run_id=self.run_id,
@@ -373,6 +380,7 @@ class _PaperCalls:
                 temperature=0.0,
                 seed=0,
                 response_format=response_format,
+                frequency_penalty=frequency_penalty,
             )
         except ChatCallError as exc:
             record.status, record.error, record.attempts = "error", str(exc), exc.attempts

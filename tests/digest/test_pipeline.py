@@ -82,6 +82,8 @@ def test_run_stores_everything_then_a_rerun_calls_nothing(tmp_path, db_url):
         assert all(b["stream"] and b["temperature"] == 0.0 for b in stub.requests)
         reviews = [b for b in stub.requests if "response_format" in b]
         assert len(reviews) == 4
+        assert all(b["frequency_penalty"] == 0.5 for b in reviews)
+        assert not any("frequency_penalty" in b for b in stub.requests if b not in reviews)
 
         html_before = (tmp_path / "out" / f"digest-{DAY}.html").read_bytes()
         second = run_digest(options(tmp_path, db_url, stub.base_url))
