@@ -169,10 +169,9 @@ def _requests(
 def _shape(out: SchedulerOutput) -> StepShape:
     tokens = rows = pairs = context = 0
     for s in out.scheduled:
-        n = s.num_tokens
         start = s.request.num_computed_tokens  # before update(): the tokens already computed
-        tokens += n
-        pairs += n * start + n * (n + 1) // 2
-        context += start + n
+        tokens += s.num_tokens
+        pairs += s.attention_pairs(start)
+        context += start + s.num_tokens
         rows += s.samples
     return StepShape(tokens, rows, pairs, context)

@@ -315,11 +315,10 @@ class EngineCore:
     def _profile(
         self, sched: SchedulerOutput, context_tokens: int, wall: float, gap: float, sampled: int
     ) -> None:
-        pairs = 0
-        for s in sched.scheduled:
-            n = s.num_tokens
-            start = s.request.num_computed_tokens - n  # update() has advanced it already
-            pairs += n * start + n * (n + 1) // 2
+        # update() has advanced num_computed_tokens already: the chunk started n tokens earlier.
+        pairs = sum(
+            s.attention_pairs(s.request.num_computed_tokens - s.num_tokens) for s in sched.scheduled
+        )
         self.profiler.record(
             StepRecord(
                 step=next(self._steps),

@@ -29,6 +29,12 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for it this step, from request.num_computed_tokens on
 
+    def attention_pairs(self, computed_before: int) -> int:
+        """Query-key pairs this chunk's causal attention computes: n new tokens after
+        `computed_before` cached ones attend n * computed_before + n (n + 1) / 2 keys."""
+        n = self.num_tokens
+        return n * computed_before + n * (n + 1) // 2
+
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so it yields a new token."""

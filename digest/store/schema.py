@@ -20,7 +20,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, declared_attr, mapped_column
 
 # Stable constraint names, so that migrations can address them on every database.
 NAMING = {
@@ -105,9 +105,14 @@ class FullTextRow(Base):
     fetched_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
-class SummaryRow(Base):
-    __tablename__ = "summaries"
-    __table_args__ = (UniqueConstraint("paper_id", "model", "prompt_version", "input_basis"),)
+class _ResultColumns:
+    """What identifies a summary or a review: the paper, and the model, prompt version and input
+    basis that produced it (unique together: the rerun's "already done")."""
+
+    @declared_attr.directive
+    def __table_args__(cls) -> tuple:  # noqa: N805 - a class-level directive
+        # A new constraint per table: one object cannot belong to two tables.
+        return (UniqueConstraint("paper_id", "model", "prompt_version", "input_basis"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
@@ -115,21 +120,19 @@ class SummaryRow(Base):
     model: Mapped[str] = mapped_column(String(200))
     prompt_version: Mapped[str] = mapped_column(String(64))
     input_basis: Mapped[str] = mapped_column(String(16))
+
+
+class SummaryRow(_ResultColumns, Base):
+    __tablename__ = "summaries"
+
     text: Mapped[str] = mapped_column(Text)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
-class ReviewRow(Base):
+class ReviewRow(_ResultColumns, Base):
     __tablename__ = "reviews"
-    __table_args__ = (UniqueConstraint("paper_id", "model", "prompt_version", "input_basis"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
-    paper_version: Mapped[int] = mapped_column(Integer)
-    model: Mapped[str] = mapped_column(String(200))
-    prompt_version: Mapped[str] = mapped_column(String(64))
-    input_basis: Mapped[str] = mapped_column(String(16))
     parse_status: Mapped[str] = mapped_column(String(16))  # ok | repaired | failed
     review: Mapped[dict | None] = mapped_column(JSON)  # the validated review
     raw_text: Mapped[str] = mapped_column(Text)  # the reply as received
