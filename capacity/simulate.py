@@ -122,7 +122,7 @@ def simulate(
         steps += 1
         if keep_schedule:
             result.schedule.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
-        sampled = {s.request.request_id: _TOKEN for s in out.scheduled if s.samples}
+        sampled = {s.request.request_id: [_TOKEN] for s in out.scheduled if s.samples}
         for rid in sampled:
             if by_id[rid].first_token_s is None:
                 by_id[rid].first_token_s = clock

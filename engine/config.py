@@ -26,6 +26,16 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
     attention_backend: str = "auto"  # auto (cuda: triton, cpu: torch), torch, triton
     enforce_eager: bool = False  # no CUDA graphs for decode steps
+    # Speculative decoding (engine/spec/): None, "ngram" (prompt lookup) or "draft" (a smaller
+    # model with the same tokenizer, at draft_model). Each step proposes up to
+    # num_speculative_tokens per decoding request and the target verifies them in one forward.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    draft_model: str | None = None
+    # n-gram proposer: the longest suffix of n tokens, prompt_lookup_max >= n >= prompt_lookup_min,
+    # that occurred earlier in the request proposes the tokens that followed it.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         if self.profile_path is not None:
@@ -52,5 +62,27 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        self._validate_speculative()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def _validate_speculative(self) -> None:
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be ngram or draft, not {self.speculative!r}")
+        if self.speculative is None:
+            if self.draft_model is not None:
+                raise ValueError("draft_model is set but speculative is not 'draft'")
+            return
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}"
+            )
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("speculative='draft' needs draft_model (a model folder)")
+        if self.speculative == "ngram" and self.draft_model is not None:
+            raise ValueError("draft_model is only used with speculative='draft'")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )

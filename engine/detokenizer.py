@@ -140,6 +140,11 @@ class IncrementalDetokenizer:
         return self._text.text()
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens taken by update(); after a stop, those up to the one that completed it."""
+        return self._num_tokens
+
+    @property
     def stop_str(self) -> str | None:
         """The stop string that ended the output, if one did."""
         return self._stop_str

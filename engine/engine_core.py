@@ -23,7 +23,10 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.spec.proposer import build_proposer
+from engine.spec.rejection_sampler import RejectionSampler
+from engine.spec.stats import SpecDecodeStats
 from engine.structured.bitmask import GrammarMask, fill_grammar_mask
 from engine.structured.grammar import GrammarCompiler, parse_spec
 from engine.structured.matcher import RequestMatcher
@@ -71,6 +74,7 @@ class EngineCore:
         if self.device.type == "cuda" and self.kernels == "triton" and not config.enforce_eager:
             self.runner.capture_cuda_graphs(self.max_model_len, config.max_num_seqs)
         self.sampler = Sampler()
+        self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(model_config.eos_token_ids)
         self.grammars = (
             GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
@@ -78,6 +82,9 @@ class EngineCore:
             else None
         )
         self.requests: dict[str, Request] = {}
+        self.proposer = build_proposer(config, self)
+        self.rejection_sampler = RejectionSampler()
+        self.spec_stats = SpecDecodeStats()
         self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
         self._arrivals = itertools.count()
         self._steps = itertools.count()
@@ -220,6 +227,8 @@ class EngineCore:
         if request is None:
             return None
         self.scheduler.finish(request, status)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         if stop_reason is not None:
             request.stop_reason = stop_reason
         request.finish_time = time.time()
@@ -238,44 +247,88 @@ class EngineCore:
         result = self.runner.execute(sched)
         for request_id, (first, logits) in result.prompt_logits.items():
             self._add_prompt_logprobs(self.requests[request_id], first, logits)
-        sampled = self._sample(result.sample_requests, result.logits)
+        sampled = self._sample(result.sampled, result.logits)
+        num_before = {s.request.request_id: len(s.request.output_token_ids) for s in result.sampled}
         finished = self.scheduler.update(sched, sampled)
-        outputs = self._outputs(sched, sampled, finished)
+        outputs = self._outputs(result.sampled, num_before, finished)
+        if self.proposer is not None:
+            self._propose(result.sampled)
         if self.profiler is not None:
             end = time.perf_counter()
             gap = start - self._last_step_end if self._last_step_end is not None else 0.0
-            self._profile(sched, result.num_context_tokens, end - start, gap, len(sampled))
+            self._profile(sched, result.num_context_tokens, end - start, gap, len(result.logits))
             self._last_step_end = end if self.scheduler.has_unfinished() else None
         return outputs
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> dict[str, int]:
-        if not requests:
+    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, list[int]]:
+        """request id -> its new tokens: one, or with proposed tokens the accepted ones and one
+        more (rejection_sampler)."""
+        if not items:
             return {}
+        requests = [s.request for s in items]
+        # One row per logits row: a request verifying k drafts has k + 1, row j seeing the
+        # first j drafts as already generated.
         rows = [
             SamplingRow(
                 params=r.params,
                 generator=r.generator,
                 prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
+                output_token_ids=r.output_token_ids + s.spec_token_ids[:j] if j else r.output_token_ids,
                 stop_token_ids=r.min_tokens_stop_ids,
             )
-            for r in requests
+            for s, r in zip(items, requests)
+            for j in range(s.num_sample_rows)
         ]
-        out = self.sampler(logits, rows, self._grammar_mask(requests))
+        matchers = [r.matcher for s, r in zip(items, requests) for _ in range(s.num_sample_rows)]
+        grammar = self._grammar_mask(matchers)
+        drafts = [s.spec_token_ids for s in items]
+        if any(drafts):
+            out = self.rejection_sampler(logits, rows, drafts, grammar)
+            token_ids, logprobs = out.token_ids, out.logprobs
+            for request, draft, accepted in zip(requests, drafts, out.num_accepted):
+                if draft:
+                    request.num_draft_tokens += len(draft)
+                    request.num_accepted_tokens += accepted
+                    self.spec_stats.observe(len(draft), accepted)
+        else:
+            plain = self.sampler(logits, rows, grammar)
+            token_ids = [[t] for t in plain.token_ids]
+            logprobs = [[lp] for lp in plain.logprobs]
         now = time.time()
-        for request, logprobs, token in zip(requests, out.logprobs, out.token_ids):
-            if logprobs is not None:
-                request.output_logprobs.append(logprobs)
+        for request, tokens, entries in zip(requests, token_ids, logprobs):
+            if request.params.logprobs is not None:
+                request.output_logprobs += entries
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.matcher is not None:
-                self._accept(request, token)
-        return {r.request_id: t for r, t in zip(requests, out.token_ids)}
+                self._accept(request, tokens[0])  # constrained requests never speculate
+        return {r.request_id: t for r, t in zip(requests, token_ids)}
 
-    def _grammar_mask(self, requests: list[Request]) -> GrammarMask | None:
+    def _propose(self, items: list[ScheduledRequest]) -> None:
+        """Proposals for the next step, for requests that just sampled and keep decoding.
+        Constrained requests do not speculate: their grammar state would have to follow every
+        draft and roll back with the rejected ones."""
+        k_max = self.config.num_speculative_tokens
+        wanted = []
+        for s in items:
+            r = s.request
+            if r.status != RequestStatus.RUNNING or r.matcher is not None:
+                continue
+            # Never propose past the request's end: max_tokens, then max_model_len.
+            k = min(
+                k_max,
+                r.max_tokens - len(r.output_token_ids) - 1,
+                self.max_model_len - r.num_tokens - 1,
+            )
+            if k >= 1:
+                wanted.append((r, k))
+        if wanted:
+            self.proposer.propose(wanted)
+
+    def _grammar_mask(self, matchers: list[RequestMatcher | None]) -> GrammarMask | None:
         if self.grammars is None:
             return None
-        return fill_grammar_mask([r.matcher for r in requests], self.grammars.bitmask_words)
+        return fill_grammar_mask(matchers, self.grammars.bitmask_words)
 
     def _accept(self, request: Request, token: int) -> None:
         """Advance the request's grammar; the scheduler ends the request once it is complete."""
@@ -298,22 +351,30 @@ class EngineCore:
         request.prompt_logprobs.extend(prompt_logprobs(logits, targets, k))
 
     def _outputs(
-        self, sched: SchedulerOutput, sampled: dict[str, int], finished: list[Request]
+        self,
+        items: list[ScheduledRequest],
+        num_before: dict[str, int],
+        finished: list[Request],
     ) -> list[CoreOutput]:
         done = {r.request_id for r in finished}
         now = time.time()
         outputs = []
-        for s in sched.scheduled:
-            rid = s.request.request_id
-            if rid in sampled:
-                if rid in done:
-                    s.request.finish_time = now
-                    del self.requests[rid]
-                outputs.append(CoreOutput(s.request, 1, rid in done))
+        for s in items:
+            request = s.request
+            rid = request.request_id
+            num_new = len(request.output_token_ids) - num_before[rid]
+            # Tokens verification emitted past a stop were not appended: drop their logprobs.
+            del request.output_logprobs[len(request.output_token_ids) :]
+            if rid in done:
+                request.finish_time = now
+                del self.requests[rid]
+                if self.proposer is not None:
+                    self.proposer.forget(rid)
+            outputs.append(CoreOutput(request, num_new, rid in done))
         return outputs
 
     def _profile(
-        self, sched: SchedulerOutput, context_tokens: int, wall: float, gap: float, sampled: int
+        self, sched: SchedulerOutput, context_tokens: int, wall: float, gap: float, rows: int
     ) -> None:
         # update() has advanced num_computed_tokens already: the chunk started n tokens earlier.
         pairs = sum(
@@ -326,13 +387,14 @@ class EngineCore:
                 wall_s=wall,
                 batch_size=len(sched.scheduled),
                 num_batched_tokens=sched.num_batched_tokens,
-                prefill_tokens=sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1),
-                decode_requests=sum(1 for s in sched.scheduled if s.num_tokens == 1),
+                prefill_tokens=sum(s.num_tokens for s in sched.scheduled if s.is_prefill),
+                decode_requests=sum(1 for s in sched.scheduled if not s.is_prefill),
+                draft_tokens=sum(len(s.spec_token_ids) for s in sched.scheduled),
                 context_tokens=context_tokens,
                 num_preempted=len(sched.preempted),
                 num_waiting=len(self.scheduler.waiting),
                 attention_pairs=pairs,
-                sampled_requests=sampled,
+                sampled_requests=rows,
                 gap_s=gap,
             )
         )

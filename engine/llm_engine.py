@@ -131,6 +131,10 @@ class LLMEngine:
         request = sample.request
         if sample.detokenizer is not None and num_new:
             stop = sample.detokenizer.update(request.output_token_ids[-num_new:])
+            if stop is not None:
+                # Several tokens can arrive in one step (speculative decoding): those after the
+                # one that completed the stop string are not part of the output.
+                _truncate(request, sample.detokenizer.num_tokens)
             if stop is not None and not finished:
                 self.core.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
                 finished = True
@@ -179,3 +183,8 @@ class LLMEngine:
             if first.params.prompt_logprobs is not None
             else None,
         )
+
+
+def _truncate(request: Request, num_tokens: int) -> None:
+    del request.output_token_ids[num_tokens:]
+    del request.output_logprobs[num_tokens:]

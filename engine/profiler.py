@@ -14,15 +14,16 @@ class StepRecord:
     wall_s: float  # step duration: schedule + forward + sample + update
     batch_size: int  # requests in the forward
     num_batched_tokens: int
-    prefill_tokens: int  # tokens of chunks longer than one (prompts, recomputes)
-    decode_requests: int  # requests computing exactly one token
+    prefill_tokens: int  # tokens of prompt chunks and recomputes
+    decode_requests: int  # requests computing their last token (and any proposed tokens)
     context_tokens: int  # sum of context lengths attended
     num_preempted: int
     num_waiting: int
     # Query-key pairs the attention computed: a chunk of n new tokens after s computed ones
     # attends n*s + n(n+1)/2 keys (causal). Attention FLOPs are proportional to it.
     attention_pairs: int = 0
-    sampled_requests: int = 0  # rows that went through the LM head and the sampler
+    sampled_requests: int = 0  # logit rows: through the LM head and the sampler
+    draft_tokens: int = 0  # proposed tokens verified (speculative decoding)
     # Wall-clock seconds from the end of the previous step to the start of this one while work
     # was waiting: the serving loop's own cost (outputs, detokenization, the HTTP side).
     gap_s: float = 0.0

@@ -52,6 +52,11 @@ class Request:
     # Structured output: the grammar state after output_token_ids (None: unconstrained).
     matcher: RequestMatcher | None = None
     stop_reason: int | str | None = None
+    # Speculative decoding: tokens proposed after the last output token, verified by the next
+    # step that schedules the request; and what this request's verifications added up to.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

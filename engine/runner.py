@@ -2,7 +2,9 @@
 
 Only the rows that sample (a request whose scheduled chunk reaches its last token) go through the
 output projection: with a 49152-token vocabulary that projection is the largest matmul of the
-model, and prompt positions do not need it (unless prompt logprobs were asked for).
+model, and prompt positions do not need it (unless prompt logprobs were asked for). A decode that
+verifies k proposed tokens yields k + 1 rows: the prediction after each of them and after its last
+token.
 """
 
 from __future__ import annotations
@@ -23,9 +25,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class BatchChunk:
+    """Tokens one request computes in a forward: token_ids at positions start, start + 1, ..."""
+
+    start: int
+    token_ids: list[int]
+    block_table: list[int]
+
+
+@dataclass(slots=True)
 class RunnerOutput:
-    sample_requests: list[Request]  # one per row of logits
-    logits: torch.Tensor  # [len(sample_requests), vocab] float32
+    sampled: list[ScheduledRequest]  # the chunks that yield logits, in row order
+    logits: torch.Tensor  # [sum of their num_sample_rows, vocab] float32
     # request id -> (first position, logits [n, vocab]) for chunks of requests that asked for
     # prompt logprobs; row j predicts the token at position first + j + 1
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
@@ -57,12 +68,18 @@ class ModelRunner:
         )
         if self._graph_step(items):
             return self._execute_graph(items)
-        input_ids, positions, meta = self._prepare(items)
+        input_ids, positions, meta = prepare_batch(
+            [self._chunk(s) for s in items], self.block_size, self.model.device
+        )
         hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
-        sample_rows = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(items) if s.samples]
+        sample_rows = [
+            row
+            for i, s in enumerate(items)
+            for row in range(meta.query_start_loc[i + 1] - s.num_sample_rows, meta.query_start_loc[i + 1])
+        ]
         logits = self.model.compute_logits(hidden[sample_rows])
         return RunnerOutput(
-            sample_requests=[s.request for s in items if s.samples],
+            sampled=[s for s in items if s.samples],
             logits=logits,
             prompt_logits=self._prompt_logits(items, hidden, meta),
             num_context_tokens=sum(meta.seq_lens_list),
@@ -73,7 +90,7 @@ class ModelRunner:
         return (
             self.graphs is not None
             and len(items) <= self.graphs.max_batch
-            and all(s.num_tokens == 1 and s.samples for s in items)
+            and all(s.num_tokens == 1 and s.samples for s in items)  # no proposed tokens
             and all(s.request.params.prompt_logprobs is None for s in items)
         )
 
@@ -92,7 +109,7 @@ class ModelRunner:
         assert self.graphs is not None
         logits = self.graphs.run(token_ids, positions, slots, tables, seq_lens)
         return RunnerOutput(
-            sample_requests=[s.request for s in items],
+            sampled=items,
             logits=logits,
             prompt_logits={},
             num_context_tokens=sum(seq_lens),
@@ -105,42 +122,14 @@ class ModelRunner:
             self.model, self.kv_caches, self.block_size, max_model_len, max_num_seqs
         )
 
-    def _prepare(
-        self, items: list[ScheduledRequest]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        for s in items:
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_tokens
-            table = self.kv.block_ids(req.request_id)
-            token_ids += req.token_slice(start, end)
-            positions += range(start, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-            seq_lens.append(end)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-        device = self.model.device
-        meta = AttentionMetadata(
-            num_decodes=sum(1 for s in items if s.num_tokens == 1),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=block_tables.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            query_start_loc=query_start_loc,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        )
-        return (
-            torch.tensor(token_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
+    def _chunk(self, s: ScheduledRequest) -> BatchChunk:
+        req = s.request
+        start = req.num_computed_tokens
+        known_end = start + s.num_tokens - len(s.spec_token_ids)
+        return BatchChunk(
+            start,
+            req.token_slice(start, known_end) + s.spec_token_ids,
+            self.kv.block_ids(req.request_id),
         )
 
     def _prompt_logits(
@@ -159,3 +148,42 @@ class ModelRunner:
             start = meta.query_start_loc[i]
             out[req.request_id] = (first, self.model.compute_logits(hidden[start : start + n]))
         return out
+
+
+def prepare_batch(
+    chunks: list[BatchChunk], block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flatten chunks (single-token decodes first) into input ids, positions and attention
+    metadata for one forward."""
+    bs = block_size
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    for c in chunks:
+        end = c.start + len(c.token_ids)
+        table = c.block_table
+        token_ids += c.token_ids
+        positions += range(c.start, end)
+        slots += [table[p // bs] * bs + p % bs for p in range(c.start, end)]
+        query_start_loc.append(query_start_loc[-1] + len(c.token_ids))
+        seq_lens.append(end)
+    width = max(len(c.block_table) for c in chunks)
+    block_tables = torch.tensor(
+        [c.block_table + [0] * (width - len(c.block_table)) for c in chunks], dtype=torch.int64
+    )
+    meta = AttentionMetadata(
+        num_decodes=sum(1 for c in chunks if len(c.token_ids) == 1),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc,
+        seq_lens_list=seq_lens,
+        block_size=bs,
+    )
+    return (
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        meta,
+    )

@@ -60,13 +60,25 @@ class Sampler:
         if not rows:
             return SamplerOutput([], [])
         # Logprobs report the model's own distribution, so they are taken before any processing.
-        raw_logprobs = _raw_logprobs(logits, rows)
-        if grammar is not None:
-            apply_grammar_mask(logits, grammar)
-        apply_penalties(logits, rows)
-        apply_min_tokens(logits, rows)
+        raw_logprobs = raw_logprobs_of(logits, rows)
+        process_logits(logits, rows, grammar)
         token_ids = _sample(logits, rows).tolist()
-        return SamplerOutput(token_ids, _logprobs_dicts(raw_logprobs, token_ids, rows))
+        return SamplerOutput(token_ids, logprobs_dicts(raw_logprobs, token_ids, rows))
+
+
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None
+) -> None:
+    """In place, what every row gets before greedy or random choice: the grammar mask,
+    penalties and min_tokens."""
+    if grammar is not None:
+        apply_grammar_mask(logits, grammar)
+    apply_penalties(logits, rows)
+    apply_min_tokens(logits, rows)
+
+
+def is_greedy(row: SamplingRow) -> bool:
+    return row.params.temperature < _GREEDY_TEMPERATURE
 
 
 def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> list[TokenLogprobs]:
@@ -179,13 +191,13 @@ def _per_row(
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """One token id per row: argmax for greedy rows, a filtered random draw for the others."""
-    greedy = [i for i, row in enumerate(rows) if row.params.temperature < _GREEDY_TEMPERATURE]
+    greedy = [i for i, row in enumerate(rows) if is_greedy(row)]
     if len(greedy) == len(rows):
         return logits.argmax(dim=-1)  # torch.argmax, as HF greedy decoding: first max on ties
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     if greedy:
         tokens[greedy] = logits[greedy].argmax(dim=-1)
-    rand = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
+    rand = [i for i, row in enumerate(rows) if not is_greedy(row)]
     rand_logits = logits if not greedy else logits[rand]
     tokens[rand] = _sample_random(rand_logits, [rows[i] for i in rand])
     return tokens
@@ -193,6 +205,12 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, min_p, top_k, top_p (modifying logits in place), then a draw per row."""
+    return draw(random_probs(logits, rows), [row.generator for row in rows])
+
+
+def random_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution each random row draws from: temperature, min_p, top_k and top_p applied
+    (to logits, in place), then softmax."""
     device = logits.device
     params = [row.params for row in rows]
     if any(p.temperature != 1.0 for p in params):
@@ -204,7 +222,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         apply_top_k_top_p(logits, top_k, top_p)
-    return _draw(logits.softmax(dim=-1), [row.generator for row in rows])
+    return logits.softmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -283,21 +301,26 @@ def _thresholds_from_top(
     return torch.maximum(kth, p_threshold), covered
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def uniforms(generators: Sequence[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per entry, from that entry's generator (None: torch's default RNG)."""
+    uniform = torch.empty(len(generators), device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        uniform[unseeded] = torch.rand(len(unseeded), device=device)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            uniform[i] = torch.rand(1, device=device, generator=generator)
+    return uniform
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row by inverse CDF, from one uniform drawn with the row's own generator.
 
     A seeded row's token therefore depends only on its own probabilities and generator, never on
     the rest of the batch. One uniform per row instead of vLLM's exponential race (vocab draws per
     row) because drawing 49152 exponentials costs about 1 ms per row on CPU.
     """
-    device = probs.device
-    uniform = torch.empty(len(generators), 1, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        uniform[unseeded] = torch.rand(len(unseeded), 1, device=device)
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            uniform[i] = torch.rand(1, device=device, generator=generator)
+    uniform = uniforms(generators, probs.device).unsqueeze(1)
     cdf = probs.cumsum(dim=-1)
     # The target lies in (0, total]: 1 - u is in (0, 1], and scaling by the row's own total
     # absorbs rounding in the cdf. The first cdf entry >= a positive target never belongs to a
@@ -309,7 +332,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
 # ----- logprobs ----------------------------------------------------------------------------------
 
 
-def _raw_logprobs(
+def raw_logprobs_of(
     logits: torch.Tensor, rows: Sequence[SamplingRow]
 ) -> tuple[list[int], torch.Tensor] | None:
     """(rows that asked, log_softmax of their raw logits), or None when no row asked."""
@@ -320,7 +343,7 @@ def _raw_logprobs(
     return wanted, torch.log_softmax(picked, dim=-1)  # a new tensor: later in-place edits skip it
 
 
-def _logprobs_dicts(
+def logprobs_dicts(
     raw: tuple[list[int], torch.Tensor] | None,
     token_ids: list[int],
     rows: Sequence[SamplingRow],

@@ -6,6 +6,11 @@ with its token count (prompt + outputs) inside a per-step token budget. Running 
 budget, sequence slots and KV blocks last. When blocks run out, the lowest-priority, latest-arrived
 running request is preempted: its blocks are freed and it is recomputed later (its full blocks
 usually come back from the prefix cache).
+
+With speculative decoding a decoding request also carries proposed tokens: it is scheduled for
+1 + k tokens (its last token and k drafts) in the same step as everybody else, and update() takes
+the tokens verification kept, rolls the computed count back over the rejected drafts and frees
+the blocks that only they used.
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for it this step, from request.num_computed_tokens on
+    # Proposed tokens verified this step: the last num_tokens positions are the request's last
+    # token followed by these (num_tokens = 1 + len(spec_token_ids) when there are any).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def attention_pairs(self, computed_before: int) -> int:
         """Query-key pairs this chunk's causal attention computes: n new tokens after
@@ -38,7 +46,18 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the request's tokens, so it yields a new token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        end = self.request.num_computed_tokens + self.num_tokens
+        return end == self.request.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logit rows this chunk yields: one per proposed token plus one after the last."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
+
+    @property
+    def is_prefill(self) -> bool:
+        """A prompt chunk or a recompute (not a decode, with or without proposed tokens)."""
+        return self.num_tokens - len(self.spec_token_ids) > 1
 
 
 @dataclass(slots=True)
@@ -78,7 +97,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            spec = request.spec_token_ids
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(spec), budget)
+            # Drafts past the budget are dropped (a request whose prompt is unfinished has none).
+            spec = spec[: max(0, num_new - 1)]
             while not self.kv.allocate_slots(request, num_new):
                 victim = max(self.running, key=lambda r: r.sort_key)
                 if self.running.index(victim) < i:
@@ -87,7 +109,8 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                request.spec_token_ids = []
+                out.scheduled.append(ScheduledRequest(request, num_new, spec))
                 budget -= num_new
                 i += 1
         return budget
@@ -98,6 +121,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
@@ -125,21 +149,33 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests; returns the finished."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counts, append the new tokens (one, or the accepted drafts and one
+        more) up to a stop, finish requests; returns the finished."""
         finished = []
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_tokens
-            token = sampled.get(request.request_id)
-            if token is None or request.status.finished:
+            tokens = sampled.get(request.request_id)
+            if tokens is None or request.status.finished:
                 continue
-            request.output_token_ids.append(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish(request, status)
-                finished.append(request)
+            if s.spec_token_ids:
+                self._roll_back(request, len(s.spec_token_ids) - (len(tokens) - 1))
+            for token in tokens:
+                request.output_token_ids.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self.finish(request, status)
+                    finished.append(request)
+                    break
         return finished
+
+    def _roll_back(self, request: Request, num_rejected: int) -> None:
+        """Forget the K/V of rejected drafts: their slots are overwritten later, and blocks that
+        held nothing else go back to the pool. None of them is in the prefix cache: blocks are
+        registered only up to the request's known tokens, which drafts are not."""
+        request.num_computed_tokens -= num_rejected
+        self.kv.trim(request, request.num_computed_tokens)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

@@ -86,6 +86,21 @@ class KVCacheManager:
             self._register_full_blocks(request, blocks, total)
         return True
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first num_tokens tokens (speculative decoding's
+        rejected drafts). They were never registered: registration stops at the request's known
+        tokens, and a rejected draft's position is past them."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        keep = self.blocks_needed(num_tokens)
+        if len(blocks) <= keep:
+            return
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        assert keep >= self._num_registered.get(request.request_id, 0), "trimming a cached block"
+        self.pool.free(reversed(dropped))
+
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)

@@ -66,7 +66,9 @@ class Harness:
         out = self.sched.schedule()
         self._check_step(out)
         self._forward(out)
-        sampled = {s.request.request_id: self.sample(s.request) for s in out.scheduled if s.samples}
+        sampled = {
+            s.request.request_id: [self.sample(s.request)] for s in out.scheduled if s.samples
+        }
         self.finished += self.sched.update(out, sampled)
         self._check_ownership()
         return out
@@ -301,7 +303,7 @@ def test_eos_and_stop_tokens_finish_early():
     r = h.add("a", 4, max_tokens=10)
     h.step()
     out = h.sched.schedule()
-    finished = h.sched.update(out, {"a": EOS})
+    finished = h.sched.update(out, {"a": [EOS]})
     assert finished == [r] and r.status == RequestStatus.FINISHED_STOPPED
     assert r.output_token_ids == [TOKEN, EOS]
     h.assert_all_free()
