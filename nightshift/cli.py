@@ -246,6 +246,47 @@ def bench_structured(
     run_structured_bench(cfg, echo=typer.echo)
 
 
+@bench_app.command("speculative")
+def bench_speculative(
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    papers: Annotated[
+        str, typer.Option(help="Papers file (JSON/JSONL/Atom) for the summary prompts.")
+    ] = "examples/papers-2026-03-sample.jsonl",
+    num_papers: Annotated[int, typer.Option(help="Prompts per run (papers repeat).")] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Per summary; default the digest's.")] = 256,
+    num_speculative_tokens: Annotated[int, typer.Option(help="k proposed per step.")] = 4,
+    prompt_lookup_min: Annotated[int, typer.Option()] = 2,
+    prompt_lookup_max: Annotated[int, typer.Option()] = 4,
+    batch: Annotated[list[int] | None, typer.Option(help="Batch sizes; default 1 and 8.")] = None,
+    frequency_penalty: Annotated[
+        list[float] | None, typer.Option(help="Penalties to run; default 0 and 0.5.")
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="Base / ngram pairs per setting.")] = 1,
+    threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """N-gram speculative decoding vs none on the digest's summary prompts: decode tok/s."""
+    from digest.spec_bench import SpecBenchConfig, run_spec_bench
+
+    cfg = SpecBenchConfig(
+        model=model,
+        papers=papers,
+        num_papers=num_papers,
+        max_tokens=max_tokens,
+        num_speculative_tokens=num_speculative_tokens,
+        prompt_lookup_min=prompt_lookup_min,
+        prompt_lookup_max=prompt_lookup_max,
+        repeats=repeats,
+        threads=threads,
+        json_out=json_out,
+    )
+    if batch:
+        cfg.batch_sizes = batch
+    if frequency_penalty:
+        cfg.frequency_penalties = frequency_penalty
+    run_spec_bench(cfg, echo=typer.echo)
+
+
 app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
 app.add_typer(workload_app, name="workload")
