@@ -20,10 +20,16 @@ class LLM:
         """`model`: "default" or a local HF folder; `options`: any EngineConfig field
         (dtype, device, block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, seed,
-        profile_path, num_threads, attention_backend, enforce_eager)."""
+        profile_path, num_threads, attention_backend, enforce_eager, speculative,
+        num_speculative_tokens, draft_model, prompt_lookup_min, prompt_lookup_max)."""
         config = EngineConfig(model=str(model), **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def spec_decode_stats(self) -> dict:
+        """Speculative decoding so far: drafts, proposed and accepted tokens, acceptance rate,
+        mean acceptance length, accepted count per draft position (all zero without it)."""
+        return self.engine.core.spec_stats.as_dict()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -171,6 +171,8 @@ class LLMEngine:
             ),
             finish_time=max(finish_times) if group.finished and all(finish_times) else None,
             num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_draft_tokens=sum(s.request.num_draft_tokens for s in group.samples),
+            num_accepted_tokens=sum(s.request.num_accepted_tokens for s in group.samples),
         )
         return RequestOutput(
             request_id=group.request_id,

@@ -16,6 +16,10 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    # Speculative decoding, summed over the request's samples: tokens proposed and verified,
+    # and of those accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)

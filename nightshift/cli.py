@@ -119,6 +119,18 @@ def serve(
     enforce_eager: Annotated[
         bool, typer.Option("--enforce-eager", help="GPU: no CUDA graphs for decode steps.")
     ] = False,
+    speculative: Annotated[
+        str | None,
+        typer.Option(help="Speculative decoding: ngram (prompt lookup) or draft (--draft-model)."),
+    ] = None,
+    num_speculative_tokens: Annotated[
+        int, typer.Option(help="Tokens proposed per decoding request and step.")
+    ] = 4,
+    draft_model: Annotated[
+        str | None, typer.Option(help="Draft model folder (same tokenizer as --model).")
+    ] = None,
+    prompt_lookup_min: Annotated[int, typer.Option(help="ngram: shortest suffix matched.")] = 2,
+    prompt_lookup_max: Annotated[int, typer.Option(help="ngram: longest suffix matched.")] = 4,
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
@@ -139,6 +151,11 @@ def serve(
         gpu_memory_utilization=gpu_memory_utilization,
         attention_backend=attention_backend,
         enforce_eager=enforce_eager,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
+        draft_model=draft_model,
+        prompt_lookup_min=prompt_lookup_min,
+        prompt_lookup_max=prompt_lookup_max,
     )
     run_server(config, host, port, served_model_name, api_key, max_waiting_requests, grace_period)
 

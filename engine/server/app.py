@@ -212,12 +212,21 @@ def create_app(
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
         cached = sum(f.metrics.num_cached_tokens for f in finals)
-        return {
+        out = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if engine.engine.core.proposer is not None:
+            # OpenAI reports predicted-output tokens here; speculation's drafts are the same idea.
+            accepted = sum(f.metrics.num_accepted_tokens for f in finals)
+            proposed = sum(f.metrics.num_draft_tokens for f in finals)
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": proposed - accepted,
+            }
+        return out
 
     def _chat_response(rid: str, body: ChatCompletionRequest, final: RequestOutput) -> dict:
         choices = [

@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_engine import AsyncEngine
 from engine.outputs import RequestOutput
+from engine.spec.stats import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
@@ -48,6 +49,45 @@ class _EngineState:
         yield CounterMetricFamily(
             "nightshift:num_preemptions", "Requests preempted.", value=sched.num_preemptions
         )
+        if core.proposer is not None:
+            yield from _spec_decode_families(core.spec_stats)
+
+
+def _spec_decode_families(stats: SpecDecodeStats):
+    """vLLM's spec-decode counters, plus the two ratios a dashboard wants without PromQL."""
+    yield CounterMetricFamily(
+        "nightshift:spec_decode_num_drafts",
+        "Verifications of at least one proposed token.",
+        value=stats.num_drafts,
+    )
+    yield CounterMetricFamily(
+        "nightshift:spec_decode_num_draft_tokens",
+        "Proposed tokens verified.",
+        value=stats.num_draft_tokens,
+    )
+    yield CounterMetricFamily(
+        "nightshift:spec_decode_num_accepted_tokens",
+        "Proposed tokens accepted.",
+        value=stats.num_accepted_tokens,
+    )
+    per_position = CounterMetricFamily(
+        "nightshift:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted proposed tokens by position in the draft (0 is the first).",
+        labels=["position"],
+    )
+    for position, count in enumerate(stats.accepted_per_position):
+        per_position.add_metric([str(position)], count)
+    yield per_position
+    yield GaugeMetricFamily(
+        "nightshift:spec_decode_acceptance_rate",
+        "Accepted over proposed tokens, since start.",
+        value=stats.acceptance_rate,
+    )
+    yield GaugeMetricFamily(
+        "nightshift:spec_decode_mean_acceptance_length",
+        "Tokens per verification (accepted + 1), since start.",
+        value=stats.mean_acceptance_length,
+    )
 
 
 class ServerMetrics:
