@@ -106,7 +106,9 @@ class EngineCore:
         cfg, mc = self.config, self.model.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        bytes_per_block = cfg.block_size * mc.kv_bytes_per_token * self.dtype.itemsize
+        # A draft model keeps K/V for the same blocks: a block costs both models' bytes.
+        per_token = mc.kv_bytes_per_token + _draft_kv_bytes_per_token(cfg)
+        bytes_per_block = cfg.block_size * per_token * self.dtype.itemsize
         budget = cfg.kv_cache_memory
         if budget is None and self.device.type == "cuda":
             profile = profile_gpu_memory(
@@ -398,6 +400,14 @@ class EngineCore:
                 gap_s=gap,
             )
         )
+
+
+def _draft_kv_bytes_per_token(config: EngineConfig) -> int:
+    if config.speculative != "draft":
+        return 0
+    from engine.model_fetch import resolve_model
+
+    return load_model_config(resolve_model(config.draft_model)).kv_bytes_per_token
 
 
 def _resolve_max_model_len(config: EngineConfig, model_config) -> int:
