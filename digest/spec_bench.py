@@ -210,7 +210,8 @@ def _row(run: Run) -> str:
     return (
         f"{run.side:<6} batch {run.batch:<2} fp {run.frequency_penalty:<4} "
         f"{run.output_tokens:>6} tokens {run.wall_s:>7.1f} s  "
-        f"decode {run.decode_tokens_per_s:>6.1f} tok/s  output {run.output_tokens_per_s:>6.1f} tok/s"
+        f"decode {run.decode_tokens_per_s:>6.1f} tok/s  "
+        f"output {run.output_tokens_per_s:>6.1f} tok/s"
     )
 
 

@@ -275,7 +275,9 @@ class EngineCore:
                 params=r.params,
                 generator=r.generator,
                 prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids + s.spec_token_ids[:j] if j else r.output_token_ids,
+                output_token_ids=r.output_token_ids + s.spec_token_ids[:j]
+                if j
+                else r.output_token_ids,
                 stop_token_ids=r.min_tokens_stop_ids,
             )
             for s, r in zip(items, requests)

@@ -17,7 +17,6 @@ import torch
 from engine.attention.metadata import AttentionMetadata
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaModel
-from engine.request import Request
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -75,7 +74,9 @@ class ModelRunner:
         sample_rows = [
             row
             for i, s in enumerate(items)
-            for row in range(meta.query_start_loc[i + 1] - s.num_sample_rows, meta.query_start_loc[i + 1])
+            for row in range(
+                meta.query_start_loc[i + 1] - s.num_sample_rows, meta.query_start_loc[i + 1]
+            )
         ]
         logits = self.model.compute_logits(hidden[sample_rows])
         return RunnerOutput(

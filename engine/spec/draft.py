@@ -73,9 +73,7 @@ class DraftProposer:
         for j in range(1, max(k for _, k, _ in jobs)):
             active = [i for i, (_, k, _) in enumerate(jobs) if k > j]
             chunks = [
-                BatchChunk(
-                    jobs[i][0].num_tokens - 1 + j, [drafts[i][-1]], self._table(jobs[i][0])
-                )
+                BatchChunk(jobs[i][0].num_tokens - 1 + j, [drafts[i][-1]], self._table(jobs[i][0]))
                 for i in active
             ]
             for i, g in zip(active, self._forward(chunks)):

@@ -23,9 +23,7 @@ class NgramProposer:
     def propose(self, requests: list[tuple[Request, int]]) -> None:
         """Set spec_token_ids of each (request, k) to at most k proposed tokens."""
         for request, k in requests:
-            request.spec_token_ids = propose_ngram(
-                request.all_token_ids, self.min_n, self.max_n, k
-            )
+            request.spec_token_ids = propose_ngram(request.all_token_ids, self.min_n, self.max_n, k)
 
     def forget(self, request_id: str) -> None:
         """Nothing to drop: proposals are computed from the request's tokens alone."""

@@ -220,7 +220,9 @@ def test_rejection_sampling_keeps_the_target_distribution(top_k):
     assert all(a == len(t) - 1 for a, t in zip(out.num_accepted, out.token_ids))
     # Sanity: a sampler that always accepts the draft fails the same test.
     always = torch.full((n,), 3.0)
-    assert _chi_square(torch.bincount(always.long(), minlength=vocab).float(), target(logits0)) > 1e3
+    assert (
+        _chi_square(torch.bincount(always.long(), minlength=vocab).float(), target(logits0)) > 1e3
+    )
 
 
 def test_greedy_and_sampled_rows_verify_together():
@@ -365,3 +367,24 @@ def test_spec_bench_runs_both_sides(chat_model, tmp_path):
     assert report["identical_outputs"]["batch 1, frequency_penalty 0.0"] == 2
     assert report["ngram_over_base"]["batch 2, frequency_penalty 0.0"]["decode_tokens_per_s"] > 0
     assert json.loads(out.read_text())["acceptance"]
+
+
+def test_serve_flags_reach_the_engine_config(monkeypatch):
+    from typer.testing import CliRunner
+
+    import engine.server.serve
+    from nightshift.cli import app
+
+    seen = {}
+    monkeypatch.setattr(engine.server.serve, "serve", lambda config, *a: seen.update(c=config))
+    args = ["serve", "--speculative", "draft", "--draft-model", "/models/small"]
+    args += ["--num-speculative-tokens", "6", "--prompt-lookup-min", "1"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    config = seen["c"]
+    assert (config.speculative, config.draft_model, config.num_speculative_tokens) == (
+        "draft",
+        "/models/small",
+        6,
+    )
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (1, 4)
