@@ -212,6 +212,7 @@ def bench_serve(
     input_max: Annotated[int, typer.Option()] = 700,
     output_min: Annotated[int, typer.Option()] = 64,
     output_max: Annotated[int, typer.Option()] = 256,
+    repeats: Annotated[int, typer.Option(help="Offline / HTTP pairs; the median ratio.")] = 3,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """The same workload over HTTP streaming and offline, one run: serving overhead."""
@@ -225,6 +226,7 @@ def bench_serve(
         max_batch=max_batch,
         input_range=(input_min, input_max),
         output_range=(output_min, output_max),
+        repeats=repeats,
     )
     report = run_bench_serve(cfg, echo=typer.echo)
     if json_out:

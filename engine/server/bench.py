@@ -1,11 +1,16 @@
 """`nightshift bench serve`: the same workload through the HTTP server (`nightshift serve` in its
 own process, streaming, all requests concurrent, read by a lean SSE client) and through offline
-LLM.generate, in one run; the ratio of their output-token throughputs is the serving overhead."""
+LLM.generate, in one run; the ratio of their output-token throughputs is the serving overhead.
+
+The two sides alternate `repeats` times (offline, HTTP, offline, HTTP, ...) against one engine
+and one server that stay up, and the reported ratio is the median of the per-pair ratios: on a
+shared 2-core machine a single pair swings by +-5%."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -27,6 +32,7 @@ class ServeBenchConfig:
     input_range: tuple[int, int] = (200, 700)
     output_range: tuple[int, int] = (64, 256)
     seed: int = 0
+    repeats: int = 3
 
 
 def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) -> dict:
@@ -37,36 +43,55 @@ def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) 
         max_model_len=cfg.input_range[1] + cfg.output_range[1] + 16,
         seed=cfg.seed,
     )
-    workload = make_workload(
-        BenchConfig(
-            num_prompts=cfg.num_prompts,
-            input_range=cfg.input_range,
-            output_range=cfg.output_range,
-            seed=cfg.seed,
-        ),
-        vocab_size=_vocab(model_dir),
-    )
+    # One workload per pair, drawn alike: both sides of a pair run the same requests, and no
+    # run finds an earlier run's prompts in its prefix cache.
+    workloads = [
+        make_workload(
+            BenchConfig(
+                num_prompts=cfg.num_prompts,
+                input_range=cfg.input_range,
+                output_range=cfg.output_range,
+                seed=cfg.seed + i,
+            ),
+            vocab_size=_vocab(model_dir),
+        )
+        for i in range(cfg.repeats)
+    ]
     warm = make_workload(
         BenchConfig(num_prompts=2, input_range=(16, 32), output_range=(4, 4)),
         vocab_size=_vocab(model_dir),
     )
     llm = LLM(model=model_dir, **engine_kwargs)
     run_engine(llm, warm)  # first-call costs (allocator, thread pools) stay out of the timing
-    offline = run_engine(llm, workload)
-    del llm
-    http = _run_http(EngineConfig(model=model_dir, **engine_kwargs), workload, warm)
-    ratio = http.tokens_per_s / offline.tokens_per_s
+    server = _start_server(EngineConfig(model=model_dir, **engine_kwargs))
+    pairs: list[tuple[SideResult, SideResult]] = []
+    try:
+        _run_http(server, warm)
+        for workload in workloads:
+            offline = run_engine(llm, workload)
+            http = _run_http(server, workload)
+            pairs.append((offline, http))
+    finally:
+        server.stop(grace_s=60)
     echo(
         f"{cfg.num_prompts} requests, inputs {cfg.input_range}, outputs {cfg.output_range}, "
         f"batch {cfg.max_batch}"
     )
-    echo(f"  offline LLM.generate: {offline.tokens_per_s:.1f} tok/s ({offline.wall_s:.1f} s)")
-    echo(
-        f"  HTTP streaming:       {http.tokens_per_s:.1f} tok/s ({http.wall_s:.1f} s), "
-        f"median TTFT {http.extra['median_ttft_s']:.2f} s"
-    )
-    echo(f"  HTTP / offline = {ratio:.2f}x")
-    return {"config": asdict(cfg), "offline": asdict(offline), "http": asdict(http), "ratio": ratio}
+    ratios = [h.tokens_per_s / o.tokens_per_s for o, h in pairs]
+    for i, ((offline, http), ratio) in enumerate(zip(pairs, ratios), 1):
+        echo(
+            f"  pair {i}: offline {offline.tokens_per_s:.1f} tok/s ({offline.wall_s:.1f} s), "
+            f"HTTP streaming {http.tokens_per_s:.1f} tok/s ({http.wall_s:.1f} s, median TTFT "
+            f"{http.extra['median_ttft_s']:.2f} s): {ratio:.2f}x"
+        )
+    ratio = statistics.median(ratios)
+    echo(f"  HTTP / offline = {ratio:.2f}x (median of {len(ratios)} pairs)")
+    return {
+        "config": asdict(cfg),
+        "pairs": [{"offline": asdict(o), "http": asdict(h)} for o, h in pairs],
+        "ratios": ratios,
+        "ratio": ratio,
+    }
 
 
 def _start_server(config: EngineConfig) -> ServerProcess:
@@ -94,13 +119,11 @@ def _vocab(model_dir: str) -> int:
     return load_model_config(Path(model_dir)).vocab_size
 
 
-def _run_http(config: EngineConfig, workload, warm) -> SideResult:
+def _run_http(server: ServerProcess, workload) -> SideResult:
     # The server runs as `nightshift serve` in its own process, as deployed: the client's Python
     # work (SSE parsing) must not share the server's interpreter lock.
-    server = _start_server(config)
     url = f"{server.base_url}/completions"
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    client = httpx.AsyncClient(timeout=3600, limits=limits)
 
     async def one(prompt: list[int], n: int) -> tuple[int, float]:
         # A lean SSE reader: this machine's two cores are shared with the server, so the load
@@ -127,17 +150,17 @@ def _run_http(config: EngineConfig, workload, warm) -> SideResult:
         return tokens, first or 0.0
 
     async def main() -> tuple[list[tuple[int, float]], float]:
-        await asyncio.gather(*(one(p, n) for p, n in zip(warm.prompts, warm.output_lens)))
-        start = time.perf_counter()
-        results = await asyncio.gather(
-            *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens))
-        )
-        return results, time.perf_counter() - start
+        nonlocal client
+        client = httpx.AsyncClient(timeout=3600, limits=limits)
+        async with client:
+            start = time.perf_counter()
+            results = await asyncio.gather(
+                *(one(p, n) for p, n in zip(workload.prompts, workload.output_lens))
+            )
+            return results, time.perf_counter() - start
 
-    try:
-        results, wall = asyncio.run(main())
-    finally:
-        server.stop(grace_s=60)
+    client: httpx.AsyncClient
+    results, wall = asyncio.run(main())
     tokens = sum(t for t, _ in results)
     assert tokens == sum(workload.output_lens), "the server produced a different number of tokens"
     ttfts = sorted(f for _, f in results)

@@ -121,3 +121,31 @@ def test_shutdown_stops_the_loop(model_dir):
     assert eng.is_alive
     eng.shutdown()
     assert not eng.is_alive
+
+
+def test_a_model_that_cannot_load_fails_the_constructor(tmp_path):
+    from engine.errors import ModelLoadError
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError):
+        AsyncEngine(EngineConfig(model=str(tmp_path / "empty")))
+
+
+def test_the_engine_is_built_on_its_own_thread(model_dir, monkeypatch):
+    # torch's OpenMP pool belongs to the thread that first runs a parallel region: the engine
+    # thread must build (load weights, allocate KV) as well as step.
+    import threading
+
+    import engine.async_engine as async_engine
+
+    built_on = []
+    real = async_engine.LLMEngine
+
+    def spy(config):
+        built_on.append(threading.current_thread().name)
+        return real(config)
+
+    monkeypatch.setattr(async_engine, "LLMEngine", spy)
+    eng = AsyncEngine(EngineConfig(model=str(model_dir)))
+    eng.shutdown()
+    assert built_on == ["nightshift-engine"]
