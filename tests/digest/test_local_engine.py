@@ -6,6 +6,7 @@ from __future__ import annotations
 from digest.pipeline import run_digest
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
+from nightshift.digest_commands import LOCAL_SPECULATION
 from tests.digest.test_pipeline import DAY, options
 from tests.engine.server.live_server import build_chat_model
 
@@ -20,6 +21,7 @@ def test_local_endpoint_runs_our_server(tmp_path, sqlite_url):
         local_model=str(model),
         concurrency=2,
         chat_read_timeout_s=120.0,
+        local_server_args=LOCAL_SPECULATION,  # what `digest run` passes by default
     )
     run.source = str(tmp_path / "two.jsonl")
     lines = (tmp_path / "papers.jsonl").read_text().splitlines()[:2]
@@ -41,3 +43,25 @@ def test_local_endpoint_runs_our_server(tmp_path, sqlite_url):
     # A random model writes no valid review JSON: the reply is kept raw, never dropped.
     digest = store.load_digest(DAY)
     assert all(e.review_raw for e in digest.entries)
+
+
+def test_local_speculation_is_on_unless_turned_off():
+    from nightshift.digest_commands import _run_options
+
+    common = dict(
+        categories="cs.CL",
+        max_papers=None,
+        source="arxiv",
+        input_mode="abstract",
+        endpoint="local",
+        model=None,
+        api_key_env=None,
+        concurrency=1,
+        db=None,
+        out=None,
+        include_cross=False,
+        max_input_chars=1000,
+        site_url=None,
+    )
+    assert _run_options(DAY, **common).local_server_args == ("--speculative", "ngram")
+    assert _run_options(DAY, **common, local_speculation=False).local_server_args == ()
