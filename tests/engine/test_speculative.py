@@ -131,6 +131,21 @@ def test_greedy_output_is_identical_with_speculation(models, reference, kind, ma
     core.kv.check_integrity()
 
 
+def test_triton_kernels_verify_drafts_too(models, reference):
+    """The GPU path: verification chunks through the Triton attention and KV-write kernels
+    (interpreted on CPU, see conftest), against the torch path without speculation."""
+    llm = LLM(
+        str(models["target"]),
+        num_kv_blocks=256,
+        block_size=4,
+        attention_backend="triton",
+        num_speculative_tokens=3,
+        **_spec_options("ngram", models),
+    )
+    assert _tokens(llm, _prompts(4), _params()[:4]) == reference[:4]
+    assert llm.spec_decode_stats()["num_accepted_tokens"] > 0
+
+
 def test_greedy_equality_survives_preemption(models, reference):
     llm = LLM(
         str(models["target"]),
