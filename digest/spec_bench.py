@@ -1,9 +1,10 @@
-"""`nightshift bench speculative`: what n-gram speculation buys the digest's summary call.
+"""`nightshift bench speculative`: what n-gram speculation (and, given one, a draft model) buys
+the digest's summary call.
 
 The workload is the digest's summary request: each paper's summary prompt (digest.prompts,
 abstract basis: the abstract, then the summary task), greedy, SUMMARY_MAX_TOKENS. Two engines in
-one process, identical except for speculation (prefix caching off, so both compute every prompt),
-run the same requests alternately, `repeats` times:
+one process (three with `draft_model`), identical except for speculation (prefix caching off, so
+each computes every prompt), run the same requests alternately, `repeats` times:
 
 - batch 1: one request at a time, as a digest run with one worker issues them;
 - batch B: B requests together (max_num_seqs = B), as with B concurrent workers.
@@ -48,6 +49,7 @@ class SpecBenchConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    draft_model: str | None = None  # also run a draft-model side
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
     frequency_penalties: list[float] = field(default_factory=lambda: [0.0, 0.5])
     repeats: int = 1
@@ -57,7 +59,7 @@ class SpecBenchConfig:
 
 @dataclass(slots=True)
 class Run:
-    side: str  # "base" or "ngram"
+    side: str  # "base", "ngram" or "draft"
     batch: int
     frequency_penalty: float
     wall_s: float
@@ -96,6 +98,14 @@ def run_spec_bench(cfg: SpecBenchConfig, echo: Callable[[str], None] = print) ->
             prompt_lookup_max=cfg.prompt_lookup_max,
         ),
     }
+    if cfg.draft_model:
+        engines["draft"] = LLM(
+            cfg.model,
+            **common,
+            speculative="draft",
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            draft_model=cfg.draft_model,
+        )
     base = engines["base"]
     prompts = [
         base.engine.encode_chat(summary_messages(paper_block(p, "abstract", p.abstract)))
@@ -105,16 +115,16 @@ def run_spec_bench(cfg: SpecBenchConfig, echo: Callable[[str], None] = print) ->
     for llm in engines.values():  # warm-up
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8))
 
+    spec_sides = [side for side in engines if side != "base"]
     runs: list[Run] = []
-    identical = {}
-    acceptance = {}
+    identical: dict[str, dict[str, int]] = {side: {} for side in spec_sides}
+    acceptance: dict[str, dict[str, dict]] = {side: {} for side in spec_sides}
     for penalty in cfg.frequency_penalties:
         params = SamplingParams(
             temperature=0.0, max_tokens=cfg.max_tokens, frequency_penalty=penalty
         )
         for batch in cfg.batch_sizes:
-            core = engines["ngram"].engine.core
-            before = core.spec_stats.as_dict()
+            before = {side: engines[side].spec_decode_stats() for side in spec_sides}
             outputs: dict[str, list[list[int]]] = {}
             for _ in range(cfg.repeats):
                 for side, llm in engines.items():
@@ -123,26 +133,29 @@ def run_spec_bench(cfg: SpecBenchConfig, echo: Callable[[str], None] = print) ->
                     outputs[side] = [r.outputs[0].token_ids for r in results]
                     echo(_row(run))
             key = f"batch {batch}, frequency_penalty {penalty}"
-            identical[key] = sum(a == b for a, b in zip(outputs["base"], outputs["ngram"]))
-            acceptance[key] = _stats_delta(before, core.spec_stats.as_dict())
-            echo(
-                f"  identical outputs {identical[key]}/{len(prompts)}; acceptance rate "
-                f"{acceptance[key]['acceptance_rate']:.2f}, mean acceptance length "
-                f"{acceptance[key]['mean_acceptance_length']:.2f}"
-            )
-    ratios = {}
-    for penalty in cfg.frequency_penalties:
-        for batch in cfg.batch_sizes:
-            key = f"batch {batch}, frequency_penalty {penalty}"
-            ratios[key] = {
-                metric: _median(runs, "ngram", batch, penalty, metric)
-                / _median(runs, "base", batch, penalty, metric)
-                for metric in ("decode_tokens_per_s", "output_tokens_per_s")
-            }
-            echo(
-                f"ngram / base, {key}: decode tok/s x{ratios[key]['decode_tokens_per_s']:.2f}, "
-                f"output tok/s x{ratios[key]['output_tokens_per_s']:.2f}"
-            )
+            for side in spec_sides:
+                same = sum(a == b for a, b in zip(outputs["base"], outputs[side]))
+                stats = _stats_delta(before[side], engines[side].spec_decode_stats())
+                identical[side][key], acceptance[side][key] = same, stats
+                echo(
+                    f"  {side}: identical outputs {same}/{len(prompts)}; acceptance rate "
+                    f"{stats['acceptance_rate']:.2f}, mean acceptance length "
+                    f"{stats['mean_acceptance_length']:.2f}"
+                )
+    ratios: dict[str, dict[str, dict[str, float]]] = {side: {} for side in spec_sides}
+    for side in spec_sides:
+        for penalty in cfg.frequency_penalties:
+            for batch in cfg.batch_sizes:
+                key = f"batch {batch}, frequency_penalty {penalty}"
+                ratios[side][key] = r = {
+                    metric: _median(runs, side, batch, penalty, metric)
+                    / _median(runs, "base", batch, penalty, metric)
+                    for metric in ("decode_tokens_per_s", "output_tokens_per_s")
+                }
+                echo(
+                    f"{side} / base, {key}: decode tok/s x{r['decode_tokens_per_s']:.2f}, "
+                    f"output tok/s x{r['output_tokens_per_s']:.2f}"
+                )
     report = {
         "config": asdict(cfg),
         "machine": _machine(),
@@ -154,7 +167,8 @@ def run_spec_bench(cfg: SpecBenchConfig, echo: Callable[[str], None] = print) ->
             }
             for r in runs
         ],
-        "ngram_over_base": ratios,
+        # per speculative side ("ngram", and "draft" with a draft model), per setting
+        "over_base": ratios,
         "identical_outputs": identical,
         "acceptance": acceptance,
     }

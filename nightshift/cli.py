@@ -276,6 +276,9 @@ def bench_speculative(
     num_speculative_tokens: Annotated[int, typer.Option(help="k proposed per step.")] = 4,
     prompt_lookup_min: Annotated[int, typer.Option()] = 2,
     prompt_lookup_max: Annotated[int, typer.Option()] = 4,
+    draft_model: Annotated[
+        str | None, typer.Option(help="Also run a draft-model side with this model folder.")
+    ] = None,
     batch: Annotated[list[int] | None, typer.Option(help="Batch sizes; default 1 and 8.")] = None,
     frequency_penalty: Annotated[
         list[float] | None, typer.Option(help="Penalties to run; default 0 and 0.5.")
@@ -284,7 +287,8 @@ def bench_speculative(
     threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
-    """N-gram speculative decoding vs none on the digest's summary prompts: decode tok/s."""
+    """Speculative decoding (n-gram; a draft model if given) vs none on the digest's summary
+    prompts: decode tok/s."""
     from digest.spec_bench import SpecBenchConfig, run_spec_bench
 
     cfg = SpecBenchConfig(
@@ -295,6 +299,7 @@ def bench_speculative(
         num_speculative_tokens=num_speculative_tokens,
         prompt_lookup_min=prompt_lookup_min,
         prompt_lookup_max=prompt_lookup_max,
+        draft_model=draft_model,
         repeats=repeats,
         threads=threads,
         json_out=json_out,

@@ -357,7 +357,7 @@ def test_draft_with_another_vocabulary_is_refused(models, tmp_path):
         LLM(str(models["target"]), speculative="draft", draft_model=str(other))
 
 
-def test_spec_bench_runs_both_sides(chat_model, tmp_path):
+def test_spec_bench_runs_every_side(chat_model, tmp_path):
     from digest.spec_bench import SpecBenchConfig, run_spec_bench
 
     model = tmp_path / "model"  # room for a summary prompt
@@ -371,17 +371,23 @@ def test_spec_bench_runs_both_sides(chat_model, tmp_path):
         papers=str(papers),
         num_papers=2,
         max_tokens=8,
+        draft_model=str(model),  # its own draft: every greedy draft is accepted
         batch_sizes=[1, 2],
         frequency_penalties=[0.0],
         json_out=str(out),
     )
     report = run_spec_bench(cfg, echo=lambda _: None)
     assert {(r["side"], r["batch"]) for r in report["runs"]} == {
-        (side, b) for side in ("base", "ngram") for b in (1, 2)
+        (side, b) for side in ("base", "ngram", "draft") for b in (1, 2)
     }
-    assert report["identical_outputs"]["batch 1, frequency_penalty 0.0"] == 2
-    assert report["ngram_over_base"]["batch 2, frequency_penalty 0.0"]["decode_tokens_per_s"] > 0
-    assert json.loads(out.read_text())["acceptance"]
+    key = "batch 1, frequency_penalty 0.0"
+    assert report["identical_outputs"] == {
+        "ngram": {key: 2, "batch 2, frequency_penalty 0.0": 2},
+        "draft": {key: 2, "batch 2, frequency_penalty 0.0": 2},
+    }
+    assert report["acceptance"]["draft"][key]["acceptance_rate"] == 1.0
+    assert report["over_base"]["ngram"]["batch 2, frequency_penalty 0.0"]["decode_tokens_per_s"] > 0
+    assert json.loads(out.read_text())["machine"]["cpu"]
 
 
 def test_serve_flags_reach_the_engine_config(monkeypatch):
