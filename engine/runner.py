@@ -59,11 +59,12 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs (GPU only)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        # Decodes (one query token) first, by context length: the attention backend batches runs
-        # of similar length; prefill chunks follow, each attended on its own.
+        # Decodes (one query token) first, then by query length (a decode verifying k drafts has
+        # 1 + k), each by context length: the attention backends batch runs of equal query length
+        # and similar context; long prefill chunks are attended one by one.
         items = sorted(
             sched.scheduled,
-            key=lambda s: (s.num_tokens != 1, s.request.num_computed_tokens),
+            key=lambda s: (s.num_tokens != 1, s.num_tokens, s.request.num_computed_tokens),
         )
         if self._graph_step(items):
             return self._execute_graph(items)

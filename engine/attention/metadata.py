@@ -9,8 +9,8 @@ import torch
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Requests are ordered decodes first (one query token each, by context length), then
-    prefill chunks.
+    """Requests are ordered decodes first (one query token each, by context length), then the
+    other chunks by query length (short ones: decodes verifying proposed tokens) and context.
 
     Token i of the flattened batch belongs to the request r with
     query_start_loc[r] <= i < query_start_loc[r + 1]; its K/V goes to slot slot_mapping[i] of the

@@ -1,7 +1,13 @@
 """Paged attention in plain torch: the CPU path and the reference the Triton kernels are tested
-against. Correct for any mix of decodes, prefill chunks and prompts whose prefix is cached."""
+against. Correct for any mix of decodes, prefill chunks and prompts whose prefix is cached.
+
+Requests with a short query (a decode: one token; speculative decoding's verification: the last
+token and its drafts) are attended in batches of equal query length and similar context; longer
+chunks (prompts) one request at a time."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,49 +41,72 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool only."""
         out = torch.empty_like(q)
-        for start, end, blocks, mask in self._decode_buckets(meta):
-            out[start:end] = self._decode(q[start:end], k_cache, v_cache, blocks, mask, scale)
-        for r in range(meta.num_decodes, meta.num_reqs):
+        buckets, long_chunks = self._plan(meta, q.shape[1] // k_cache.shape[2])
+        for b in buckets:
+            out[b.start : b.end] = self._batched(q[b.start : b.end], k_cache, v_cache, b, scale)
+        for r in long_chunks:
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
             out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, r, scale)
         return out
 
-    def _decode(
+    def _batched(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        blocks: torch.Tensor,
-        mask: torch.Tensor,
+        bucket: _Bucket,
         scale: float,
     ) -> torch.Tensor:
-        n, num_heads, head_dim = q.shape
+        num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         group = num_heads // num_kv_heads
-        # [n, L, Hkv, D] -> [n, Hkv, L, D]; the G query heads of a KV group form the query "length"
-        # axis, so GQA needs no K/V expansion. index_select copies whole blocks (block_size * Hkv *
-        # D contiguous elements each): several times faster than advanced indexing here.
-        keys = k_cache.index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_cache.index_select(0, blocks).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        qg = q.view(n, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-        return out.reshape(n, num_heads, head_dim)
+        q_len = bucket.q_len
+        n = num_tokens // q_len
+        # [n, L, Hkv, D] -> [n, Hkv, L, D]; the q_len x G query rows of a KV group (G query heads
+        # per KV head) form the query "length" axis, so GQA needs no K/V expansion. index_select
+        # copies whole blocks (block_size * Hkv * D contiguous elements each): several times
+        # faster than advanced indexing here.
+        keys = k_cache.index_select(0, bucket.blocks).view(n, -1, num_kv_heads, head_dim)
+        values = v_cache.index_select(0, bucket.blocks).view(n, -1, num_kv_heads, head_dim)
+        qg = (
+            q.view(n, q_len, num_kv_heads, group, head_dim)
+            .transpose(1, 2)
+            .reshape(n, num_kv_heads, q_len * group, head_dim)
+        )
+        out = F.scaled_dot_product_attention(
+            qg, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bucket.mask, scale=scale
+        )
+        return (
+            out.view(n, num_kv_heads, q_len, group, head_dim)
+            .transpose(1, 2)
+            .reshape(num_tokens, num_heads, head_dim)
+        )
 
     @staticmethod
-    def _decode_buckets(
-        meta: AttentionMetadata,
-    ) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        """The decodes split into runs of similar context length, each with the block ids to
-        gather and its padding mask; built once per step. Decodes arrive sorted by context length
-        (the runner orders them so), and each run is padded only to its own longest context:
-        padding all of them to the batch's longest would gather and attend over ~1.5x the keys
-        for prompts of mixed lengths."""
-        if "decode" not in meta.cache:
-            meta.cache["decode"] = [
-                _decode_bucket(meta, start, end)
-                for start, end in _length_runs(meta.seq_lens_list[: meta.num_decodes])
-            ]
-        return meta.cache["decode"]
+    def _plan(meta: AttentionMetadata, group: int) -> tuple[list[_Bucket], list[int]]:
+        """Buckets of short-query requests, and the long chunks to attend one by one; built once
+        per step (every layer reuses it). The runner orders requests by query length, then by
+        context, so a bucket is a run of equal query length and similar context, and is padded
+        only to its own longest context: padding all of them to the batch's longest would gather
+        and attend over ~1.5x the keys for prompts of mixed lengths."""
+        if "plan" not in meta.cache:
+            qsl = meta.query_start_loc
+            q_lens = [qsl[r + 1] - qsl[r] for r in range(meta.num_reqs)]
+            buckets: list[_Bucket] = []
+            long_chunks: list[int] = []
+            r = 0
+            while r < meta.num_reqs:
+                end = r + 1
+                while end < meta.num_reqs and q_lens[end] == q_lens[r]:
+                    end += 1
+                if q_lens[r] > _MAX_BATCHED_QUERY:
+                    long_chunks += range(r, end)
+                else:
+                    for a, b in _length_runs(meta.seq_lens_list[r:end]):
+                        buckets.append(_bucket(meta, r + a, r + b, q_lens[r], group))
+                r = end
+            meta.cache["plan"] = (buckets, long_chunks)
+        return meta.cache["plan"]
 
     @staticmethod
     def _prefill_inputs(
@@ -123,6 +152,9 @@ class TorchAttentionBackend:
         return out[0].transpose(0, 1)
 
 
+# Chunks up to this many query tokens are attended in batches (a decode, or a decode verifying up
+# to 16 proposed tokens); longer ones, prompts, one request at a time.
+_MAX_BATCHED_QUERY = 17
 # A run of decodes closes once the next context is this much longer than the run's shortest, and
 # the run has at least _MIN_RUN members (each run costs one more gather and attention call).
 _RUN_GROWTH = 1.3
@@ -140,11 +172,30 @@ def _length_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _decode_bucket(
-    meta: AttentionMetadata, start: int, end: int
-) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    num_blocks = -(-max(meta.seq_lens_list[start:end]) // meta.block_size)
-    blocks = meta.block_tables[start:end, :num_blocks].reshape(-1)
-    positions = torch.arange(num_blocks * meta.block_size, device=blocks.device)
-    mask = (positions[None, :] < meta.seq_lens[start:end, None]).view(end - start, 1, 1, -1)
-    return start, end, blocks, mask
+@dataclass(slots=True)
+class _Bucket:
+    start: int  # first query token
+    end: int
+    q_len: int  # query tokens per request
+    blocks: torch.Tensor  # [n * max_blocks] block ids to gather, request after request
+    mask: torch.Tensor  # [n, 1, q_len * G or 1, keys]: which keys each query row sees
+
+
+def _bucket(meta: AttentionMetadata, first: int, last: int, q_len: int, group: int) -> _Bucket:
+    """Requests first..last-1, each with q_len query tokens at the end of its context; group:
+    query heads per KV head."""
+    num_blocks = -(-max(meta.seq_lens_list[first:last]) // meta.block_size)
+    blocks = meta.block_tables[first:last, :num_blocks].reshape(-1)
+    keys = torch.arange(num_blocks * meta.block_size, device=blocks.device)
+    seq_lens = meta.seq_lens[first:last, None]
+    if q_len == 1:
+        mask = (keys[None, :] < seq_lens).view(last - first, 1, 1, -1)  # broadcast over heads
+    else:
+        # Query t sits at position seq_len - q_len + t and sees keys up to and including itself;
+        # rows are (t, g) for the G query heads of a KV group.
+        position = seq_lens - q_len + torch.arange(q_len, device=blocks.device)[None, :]
+        mask = keys[None, None, :] <= position[:, :, None]  # [n, q_len, keys]
+        mask = mask[:, :, None, :].expand(-1, -1, group, -1)
+        mask = mask.reshape(last - first, 1, q_len * group, -1)
+    start, end = meta.query_start_loc[first], meta.query_start_loc[last]
+    return _Bucket(start, end, q_len, blocks, mask)

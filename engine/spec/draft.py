@@ -102,7 +102,12 @@ class DraftProposer:
         """The draft's argmax after each chunk's last token, in the chunks' order."""
         # Single-token chunks first, by context length: the order the attention backends want.
         order = sorted(
-            range(len(chunks)), key=lambda i: (len(chunks[i].token_ids) != 1, chunks[i].start)
+            range(len(chunks)),
+            key=lambda i: (
+                len(chunks[i].token_ids) != 1,
+                len(chunks[i].token_ids),
+                chunks[i].start,
+            ),
         )
         input_ids, positions, meta = prepare_batch(
             [chunks[i] for i in order], self.block_size, self.model.device

@@ -113,6 +113,12 @@ BACKEND_CASES = {
         [(0, 40), (17, 19), (64, 2)],
         3, 1, 64, 16, torch.float16, 32,
     ),
+    # Speculative verification: three requests with 5-token chunks (the last token and four
+    # drafts) that the torch backend attends as one batch, next to a decode and two prompts.
+    "verify-gqa3-fp32-split": (
+        [(30, 5), (47, 5), (52, 5), (20, 1), (9, 3), (0, 20)],
+        6, 2, 64, 16, torch.float32, 32,
+    ),
     "decode-only-gqa8-fp16-split": (
         [(33, 1), (99, 1), (1, 1), (64, 1)],
         16, 2, 64, 32, torch.float16, 32,
