@@ -14,6 +14,9 @@ Sections (each writes rows into DIR/gpu_check.json and a table into DIR/gpu_chec
   prefill     2k- and 8k-token prefill chunks against the measured bf16 matmul rate
   throughput  engine vs HF `generate` on the same mixed workload (default model), ratio
   memory      the engine's profiled KV blocks and activation peak next to capacity/'s plan
+  speculative n-gram speculation vs none on the digest's summary prompts (default model):
+              decode tok/s ratio at batch 1 and 8, acceptance, greedy outputs identical or not
+              (bf16: the verification chunk takes the prefill kernel, so near-ties may differ)
 
 Nothing is downloaded: weights are random except the default model, which must already be
 converted under $NIGHTSHIFT_HOME (or given with --model); without it, the sections that need it
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-SECTIONS = ("kernels", "hf", "decode", "prefill", "throughput", "memory")
+SECTIONS = ("kernels", "hf", "decode", "prefill", "throughput", "memory", "speculative")
 
 
 @dataclass(slots=True)
@@ -619,6 +622,34 @@ def check_memory(check: Check) -> None:
 # ---- driver --------------------------------------------------------------------------------
 
 
+def check_speculative(check: Check) -> None:
+    from digest.spec_bench import SpecBenchConfig, run_spec_bench
+
+    folder = _default_model(check)
+    if folder is None:
+        return
+    papers = Path(__file__).resolve().parent.parent / "examples" / "papers-2026-03-sample.jsonl"
+    cfg = SpecBenchConfig(
+        model=str(folder),
+        papers=str(papers),
+        num_papers=2 if check.smoke else 8,
+        max_tokens=8 if check.smoke else 256,
+        batch_sizes=[1, 2] if check.smoke else [1, 8],
+        frequency_penalties=[0.5],
+    )
+    report = run_spec_bench(cfg, echo=lambda line: print(f"[speculative] {line}", flush=True))
+    for key, ratio in report["over_base"]["ngram"].items():
+        check.add(
+            "speculative",
+            setting=key,
+            decode_ratio=ratio["decode_tokens_per_s"],
+            output_ratio=ratio["output_tokens_per_s"],
+            acceptance=report["acceptance"]["ngram"][key]["acceptance_rate"],
+            identical=f"{report['identical_outputs']['ngram'][key]}/{cfg.num_papers}",
+            passed=None,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -644,6 +675,7 @@ def main() -> int:
         "prefill": lambda: check_prefill(check, matmul),
         "throughput": lambda: check_throughput(check),
         "memory": lambda: check_memory(check),
+        "speculative": lambda: check_speculative(check),
     }
     failed = False
     for name in args.sections.split(","):
