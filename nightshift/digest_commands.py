@@ -157,6 +157,30 @@ def _run_options(
     )
 
 
+_RUN_FIELDS = (
+    "categories",
+    "max_papers",
+    "source",
+    "input_mode",
+    "endpoint",
+    "model",
+    "api_key_env",
+    "concurrency",
+    "db",
+    "out",
+    "include_cross",
+    "max_input_chars",
+    "site_url",
+    "local_speculation",
+)
+
+
+def _run_fields(values: dict) -> dict:
+    """The run options among a command's parameters (`digest run` and `digest schedule` take
+    the same ones; typer needs each command to declare them)."""
+    return {name: values[name] for name in _RUN_FIELDS}
+
+
 @digest_app.command("run")
 def digest_run(
     date_: DateOpt = None,
@@ -176,23 +200,8 @@ def digest_run(
     local_speculation: LocalSpecOpt = True,
 ) -> None:
     """Fetch the day's papers, summarize and review each, store, and publish the digest."""
-    options = _run_options(
-        _digest_date(date_, source),
-        categories=categories,
-        max_papers=max_papers,
-        source=source,
-        input_mode=input_mode,
-        endpoint=endpoint,
-        model=model,
-        api_key_env=api_key_env,
-        concurrency=concurrency,
-        db=db,
-        out=out,
-        include_cross=include_cross,
-        max_input_chars=max_input_chars,
-        site_url=site_url,
-        local_speculation=local_speculation,
-    )
+    # The command's own parameters are exactly the run options (schedule shares them).
+    options = _run_options(_digest_date(date_, source), **_run_fields(locals()))
     report = _guarded(lambda: _run_with_progress(options))
     for line in report.lines():
         typer.echo(line)
@@ -280,23 +289,7 @@ def digest_schedule(
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
     from digest.schedule import ScheduleError, ScheduleOptions, build_scheduler
 
-    options = _run_options(
-        date.today(),
-        categories=categories,
-        max_papers=max_papers,
-        source=source,
-        input_mode=input_mode,
-        endpoint=endpoint,
-        model=model,
-        api_key_env=api_key_env,
-        concurrency=concurrency,
-        db=db,
-        out=out,
-        include_cross=include_cross,
-        max_input_chars=max_input_chars,
-        site_url=site_url,
-        local_speculation=local_speculation,
-    )
+    options = _run_options(date.today(), **_run_fields(locals()))
     try:
         scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
     except ScheduleError as exc:

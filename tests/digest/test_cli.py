@@ -133,3 +133,22 @@ def test_db_commands(sqlite_url):
     assert "current: 0001" in result.output and "head:    0001" in result.output
     result = runner.invoke(app, ["db", "downgrade", "base", "--db", sqlite_url])
     assert result.exit_code == 0 and "database at base" in result.output
+
+
+def test_schedule_takes_the_run_options_and_names_a_bad_timezone(sqlite_url):
+    result = runner.invoke(
+        app,
+        [
+            "digest",
+            "schedule",
+            "--timezone",
+            "Mars/Olympus",
+            "--db",
+            sqlite_url,
+            "--max-papers",
+            "3",
+        ],
+    )
+    assert result.exit_code == 2 and "unknown --timezone 'Mars/Olympus'" in result.output
+    result = runner.invoke(app, ["digest", "schedule", "--concurrency", "0", "--db", sqlite_url])
+    assert result.exit_code == 2 and "--concurrency must be at least 1" in result.output
