@@ -47,15 +47,7 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
         self.graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs (GPU only)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -150,6 +142,21 @@ class ModelRunner:
             start = meta.query_start_loc[i]
             out[req.request_id] = (first, self.model.compute_logits(hidden[start : start + n]))
         return out
+
+
+def allocate_kv_caches(
+    model: LlamaModel, num_blocks: int, block_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The model's K and V pool per layer: [num_blocks, block_size, Hkv, D] each, zeroed."""
+    cfg = model.config
+    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=model.dtype, device=model.device),
+            torch.zeros(shape, dtype=model.dtype, device=model.device),
+        )
+        for _ in range(cfg.num_layers)
+    ]
 
 
 def prepare_batch(

@@ -19,12 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaModel
 from engine.request import Request
-from engine.runner import BatchChunk, prepare_batch
+from engine.runner import BatchChunk, allocate_kv_caches, prepare_batch
 
 
 @dataclass(slots=True)
@@ -38,15 +36,7 @@ class DraftProposer:
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-            )
-            for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
         self._state: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[tuple[Request, int]]) -> None:
