@@ -3,13 +3,19 @@
 APScheduler's cron trigger fires at the configured local time; a firing missed while the process
 was down (or busy) still runs if it is late by less than the misfire grace time, and several missed
 firings coalesce into one run. Two schedulers (a standby, a second host) are safe: each run takes
-the job lock in the database, and the one that finds it held skips."""
+the job lock in the database, and the one that finds it held skips.
+
+SIGTERM (systemd's stop) or Ctrl-C ends the scheduler with exit 0. A run in progress is abandoned,
+not awaited: every result is already stored, so the next run of that date does only what is left."""
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import date, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -29,19 +35,23 @@ class ScheduleError(ValueError):
 
 @dataclass(slots=True)
 class ScheduleOptions:
-    at: str = "02:00"  # HH:MM local time
+    at: str = "02:00"  # HH:MM[:SS] local time
     timezone: str = "UTC"
     misfire_grace_s: int = 3600
 
 
-def parse_at(at: str) -> tuple[int, int]:
+def parse_at(at: str) -> tuple[int, int, int]:
+    """HH:MM or HH:MM:SS (seconds let a test, or an impatient operator, fire it right away)."""
+    parts = at.split(":")
     try:
-        hour, minute = (int(part) for part in at.split(":"))
+        if len(parts) not in (2, 3):
+            raise ValueError
+        hour, minute, second = (int(part) for part in [*parts, "0"][:3])
     except ValueError:
-        raise ScheduleError(f"--at must be HH:MM, not {at!r}") from None
-    if not (0 <= hour < 24 and 0 <= minute < 60):
+        raise ScheduleError(f"--at must be HH:MM or HH:MM:SS, not {at!r}") from None
+    if not (0 <= hour < 24 and 0 <= minute < 60 and 0 <= second < 60):
         raise ScheduleError(f"--at must be a time of day, not {at!r}")
-    return hour, minute
+    return hour, minute, second
 
 
 def zone(name: str) -> ZoneInfo:
@@ -52,16 +62,22 @@ def zone(name: str) -> ZoneInfo:
         raise ScheduleError(message) from None
 
 
-def nightly_job(
-    base: RunOptions, tz: ZoneInfo, today: Callable[[], date] | None = None
-) -> Callable[[], RunReport | None]:
+@dataclass(slots=True)
+class NightlyJob:
     """The scheduled job: the digest of yesterday (in the schedule's timezone); a run that finds
     the lock held by another scheduler is skipped, not queued."""
 
-    def job() -> RunReport | None:
-        day = (today() if today else datetime.now(tz).date()) - timedelta(days=1)
+    base: RunOptions
+    tz: ZoneInfo
+    today: Callable[[], date] | None = None
+    # Set while a run is in progress: a stop then exits without waiting for it.
+    running: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self) -> RunReport | None:
+        day = (self.today() if self.today else datetime.now(self.tz).date()) - timedelta(days=1)
+        self.running.set()
         try:
-            report = run_digest(replace(base, digest_date=day))
+            report = run_digest(replace(self.base, digest_date=day))
         except LockHeld as exc:
             log.warning("skipping the %s run: %s", day.isoformat(), exc)
             return None
@@ -69,20 +85,26 @@ def nightly_job(
             # The scheduler must outlive a bad night; the failure is in the runs table and log.
             log.exception("the digest run for %s failed", day.isoformat())
             return None
+        finally:
+            self.running.clear()
         for line in report.lines():
             log.info("%s", line)
         return report
 
-    return job
+
+def nightly_job(
+    base: RunOptions, tz: ZoneInfo, today: Callable[[], date] | None = None
+) -> NightlyJob:
+    return NightlyJob(base, tz, today)
 
 
 def build_scheduler(base: RunOptions, options: ScheduleOptions) -> BlockingScheduler:
-    hour, minute = parse_at(options.at)
+    hour, minute, second = parse_at(options.at)
     tz = zone(options.timezone)
     scheduler = BlockingScheduler(timezone=tz)
     scheduler.add_job(
         nightly_job(base, tz),
-        CronTrigger(hour=hour, minute=minute, timezone=tz),
+        CronTrigger(hour=hour, minute=minute, second=second, timezone=tz),
         id="nightly-digest",
         name="nightly digest",
         misfire_grace_time=options.misfire_grace_s,
@@ -90,3 +112,36 @@ def build_scheduler(base: RunOptions, options: ScheduleOptions) -> BlockingSched
         max_instances=1,
     )
     return scheduler
+
+
+def next_fire_time(scheduler: BlockingScheduler) -> datetime | None:
+    """When the job fires next. A job added before start() has no `next_run_time` attribute in
+    APScheduler 3.x (it is pending), so ask its trigger."""
+    (job,) = scheduler.get_jobs()
+    return job.trigger.get_next_fire_time(None, datetime.now(job.trigger.timezone))
+
+
+def run_scheduler(scheduler: BlockingScheduler) -> None:
+    """Block until SIGTERM or Ctrl-C, then stop the scheduler."""
+    (job,) = scheduler.get_jobs()
+    nightly: NightlyJob = job.func
+
+    def on_sigterm(_signum: int, _frame: object) -> None:
+        raise SystemExit(0)  # unwinds the scheduler's wait in the main thread
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        scheduler.start()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if scheduler.running:
+            scheduler.shutdown(wait=False)
+    if nightly.running.is_set():
+        # The run's worker thread would hold the interpreter's exit until the run ends (hours);
+        # its results are stored, so leaving it is safe. A local server dies with the process.
+        log.warning("digest scheduler stopped during a run; rerun that date to finish it")
+        logging.shutdown()
+        os._exit(0)
+    log.info("digest scheduler stopped")

@@ -266,7 +266,9 @@ def digest_render(
 
 @digest_app.command("schedule")
 def digest_schedule(
-    at: Annotated[str, typer.Option(help="Local time of the nightly run, HH:MM.")] = "02:00",
+    at: Annotated[
+        str, typer.Option(help="Local time of the nightly run, HH:MM or HH:MM:SS.")
+    ] = "02:00",
     timezone: Annotated[str, typer.Option(help="IANA timezone of --at.")] = "UTC",
     misfire_grace_time: Annotated[
         int, typer.Option(help="Seconds a missed run may still start late.")
@@ -287,19 +289,23 @@ def digest_schedule(
     local_speculation: LocalSpecOpt = True,
 ) -> None:
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
-    from digest.schedule import ScheduleError, ScheduleOptions, build_scheduler
+    from digest.schedule import (
+        ScheduleError,
+        ScheduleOptions,
+        build_scheduler,
+        next_fire_time,
+        run_scheduler,
+    )
 
     options = _run_options(date.today(), **_run_fields(locals()))
     try:
         scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
     except ScheduleError as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
-    job = scheduler.get_jobs()[0]
-    log.info("digest scheduler: %s; next run %s", job.trigger, job.next_run_time)
-    try:
-        scheduler.start()
-    except (KeyboardInterrupt, SystemExit):
-        pass
+    (job,) = scheduler.get_jobs()
+    nxt = next_fire_time(scheduler)
+    log.info("digest scheduler: %s; next run %s", job.trigger, nxt.isoformat() if nxt else None)
+    run_scheduler(scheduler)
 
 
 def _database(db: str | None) -> Engine:
