@@ -238,6 +238,9 @@ class EngineCore:
 
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
+        """One scheduled batch through the model and the sampler. A failure that one request
+        causes (its sampling, its prompt logprobs) fails that request alone; a failure of the
+        forward itself fails the requests of this step. The engine stays usable either way."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
@@ -246,15 +249,34 @@ class EngineCore:
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:  # noqa: BLE001 - isolated below, the engine goes on
+            # One forward computes the whole batch, so no request can be blamed alone: every
+            # request in it fails; the others (waiting, or not scheduled) go on.
+            logger.exception(
+                "model forward failed; failing the %d requests of this step", len(sched.scheduled)
+            )
+            return self._fail(
+                {s.request.request_id: f"model forward failed: {e}" for s in sched.scheduled},
+                uncomputed=True,
+            )
+        errors: dict[str, str] = {}
         for request_id, (first, logits) in result.prompt_logits.items():
-            self._add_prompt_logprobs(self.requests[request_id], first, logits)
-        sampled = self._sample(result.sampled, result.logits)
+            try:
+                self._add_prompt_logprobs(self.requests[request_id], first, logits)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                logger.exception("request %s: prompt logprobs failed", request_id)
+                errors[request_id] = f"prompt logprobs failed: {e}"
+        sampled, resample = self._sample(result.sampled, result.logits, errors)
+        failed = self._fail(errors)
         num_before = {s.request.request_id: len(s.request.output_token_ids) for s in result.sampled}
-        finished = self.scheduler.update(sched, sampled)
-        outputs = self._outputs(result.sampled, num_before, finished)
+        finished = self.scheduler.update(sched, sampled, resample)
+        outputs = failed + self._outputs(
+            [s for s in result.sampled if s.request.request_id in sampled], num_before, finished
+        )
         if self.proposer is not None:
-            self._propose(result.sampled)
+            self._propose([s for s in result.sampled if s.request.request_id in sampled])
         if self.profiler is not None:
             end = time.perf_counter()
             gap = start - self._last_step_end if self._last_step_end is not None else 0.0
@@ -262,18 +284,71 @@ class EngineCore:
             self._last_step_end = end if self.scheduler.has_unfinished() else None
         return outputs
 
-    def _sample(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, list[int]]:
-        """request id -> its new tokens: one, or with proposed tokens the accepted ones and one
-        more (rejection_sampler)."""
-        if not items:
-            return {}
+    def _fail(self, errors: dict[str, str], uncomputed: bool = False) -> list[CoreOutput]:
+        """End these requests with FINISHED_ERROR. uncomputed: their K/V of this step was never
+        written, so none of their blocks past the computed tokens may stay in the prefix cache."""
+        outputs = []
+        for request_id, message in errors.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if uncomputed:
+                self.kv.forget_uncomputed(request)
+            self.finish(request_id, RequestStatus.FINISHED_ERROR)
+            request.error = message
+            outputs.append(CoreOutput(request, 0, True))
+        return outputs
+
+    def _sample(
+        self, items: list[ScheduledRequest], logits: torch.Tensor, errors: dict[str, str]
+    ) -> tuple[dict[str, list[int]], set[str]]:
+        """(request id -> its new tokens, requests to sample again next step). Each gets one
+        token, or with proposed tokens the accepted ones and one more (rejection_sampler).
+        Requests already in `errors` are skipped; a request whose sampling fails is added there.
+
+        When the batch's sampling fails, each request is sampled alone on a copy to find the
+        one(s) that fail: they fail; the others keep this step's K/V and sample the same
+        position again next step, since the failed attempt may have changed their logits in
+        place. When none fails alone, all of them fail: the batch cannot be split."""
+        live = [i for i, s in enumerate(items) if s.request.request_id not in errors]
+        if not live:
+            return {}, set()
+        if len(live) < len(items):
+            logits = logits[_row_index(items, live, logits.device)]
+            items = [items[i] for i in live]
+        try:
+            drawn = self._draw(items, logits)
+        except Exception as e:  # noqa: BLE001 - blamed below
+            logger.exception("sampling failed for a batch of %d requests", len(items))
+            blamed = self._blame(items, logits)
+            if not blamed:
+                blamed = {s.request.request_id: f"sampling failed: {e}" for s in items}
+            errors.update(blamed)
+            return {}, {s.request.request_id for s in items} - blamed.keys()
+        sampled = {}
+        for s, tokens, entries, accepted in zip(items, *drawn, strict=True):
+            request = s.request
+            try:
+                self._record(request, s.spec_token_ids, tokens, entries, accepted)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                logger.exception("request %s: recording its tokens failed", request.request_id)
+                errors[request.request_id] = f"sampling failed: {e}"
+                continue
+            sampled[request.request_id] = tokens
+        return sampled, set()
+
+    def _draw(
+        self, items: list[ScheduledRequest], logits: torch.Tensor, probe: bool = False
+    ) -> tuple[list[list[int]], list[list], list[int]]:
+        """Per request: its new tokens, their logprob entries, accepted drafts. No request state
+        changes here. probe: draw from torch's default generator; seeded ones stay untouched."""
         requests = [s.request for s in items]
         # One row per logits row: a request verifying k drafts has k + 1, row j seeing the
         # first j drafts as already generated.
         rows = [
             SamplingRow(
                 params=r.params,
-                generator=r.generator,
+                generator=None if probe else r.generator,
                 prompt_token_ids=r.prompt_token_ids,
                 output_token_ids=r.output_token_ids + s.spec_token_ids[:j]
                 if j
@@ -288,25 +363,35 @@ class EngineCore:
         drafts = [s.spec_token_ids for s in items]
         if any(drafts):
             out = self.rejection_sampler(logits, rows, drafts, grammar)
-            token_ids, logprobs = out.token_ids, out.logprobs
-            for request, draft, accepted in zip(requests, drafts, out.num_accepted):
-                if draft:
-                    request.num_draft_tokens += len(draft)
-                    request.num_accepted_tokens += accepted
-                    self.spec_stats.observe(len(draft), accepted)
-        else:
-            plain = self.sampler(logits, rows, grammar)
-            token_ids = [[t] for t in plain.token_ids]
-            logprobs = [[lp] for lp in plain.logprobs]
-        now = time.time()
-        for request, tokens, entries in zip(requests, token_ids, logprobs):
-            if request.params.logprobs is not None:
-                request.output_logprobs += entries
-            if request.first_token_time is None:
-                request.first_token_time = now
-            if request.matcher is not None:
-                self._accept(request, tokens[0])  # constrained requests never speculate
-        return {r.request_id: t for r, t in zip(requests, token_ids)}
+            return out.token_ids, out.logprobs, out.num_accepted
+        plain = self.sampler(logits, rows, grammar)
+        return [[t] for t in plain.token_ids], [[lp] for lp in plain.logprobs], [0] * len(items)
+
+    def _blame(self, items: list[ScheduledRequest], logits: torch.Tensor) -> dict[str, str]:
+        """The requests whose sampling fails on its own, with why."""
+        blamed = {}
+        offsets = _row_offsets(items)
+        for i, s in enumerate(items):
+            rows = logits[offsets[i] : offsets[i + 1]].clone()
+            try:
+                self._draw([s], rows, probe=True)
+            except Exception as e:  # noqa: BLE001 - the finding
+                blamed[s.request.request_id] = f"sampling failed: {e}"
+        return blamed
+
+    def _record(
+        self, request: Request, draft: list[int], tokens: list[int], entries: list, accepted: int
+    ) -> None:
+        if draft:
+            request.num_draft_tokens += len(draft)
+            request.num_accepted_tokens += accepted
+            self.spec_stats.observe(len(draft), accepted)
+        if request.params.logprobs is not None:
+            request.output_logprobs += entries
+        if request.first_token_time is None:
+            request.first_token_time = time.time()
+        if request.matcher is not None:
+            self._accept(request, tokens[0])  # constrained requests never speculate
 
     def _propose(self, items: list[ScheduledRequest]) -> None:
         """Proposals for the next step, for requests that just sampled and keep decoding.
@@ -326,8 +411,14 @@ class EngineCore:
             )
             if k >= 1:
                 wanted.append((r, k))
-        if wanted:
+        if not wanted:
+            return
+        try:
             self.proposer.propose(wanted)
+        except Exception:  # noqa: BLE001 - drafts only save time; without them output is the same
+            logger.exception("proposing draft tokens failed; this step's requests decode without")
+            for r, _ in wanted:
+                r.spec_token_ids = []
 
     def _grammar_mask(self, matchers: list[RequestMatcher | None]) -> GrammarMask | None:
         if self.grammars is None:
@@ -402,6 +493,17 @@ class EngineCore:
                 gap_s=gap,
             )
         )
+
+
+def _row_offsets(items: list[ScheduledRequest]) -> list[int]:
+    """Where each item's logits rows start (and, last, where they end)."""
+    return list(itertools.accumulate((s.num_sample_rows for s in items), initial=0))
+
+
+def _row_index(items: list[ScheduledRequest], picked: list[int], device) -> torch.Tensor:
+    offsets = _row_offsets(items)
+    rows = [r for i in picked for r in range(offsets[i], offsets[i + 1])]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 def _draft_kv_bytes_per_token(config: EngineConfig) -> int:

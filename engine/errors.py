@@ -16,3 +16,8 @@ class ModelLoadError(ValueError):
 
 class InvalidStructuredOutputError(InvalidSamplingParamsError):
     """A structured-output constraint (JSON schema, regex, choice list) that cannot be compiled."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while computing a request that it had accepted (a server error, not the
+    caller's): the request ends, the engine and every other request go on."""

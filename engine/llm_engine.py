@@ -4,6 +4,7 @@ the prompt's KV blocks through the prefix cache)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -15,6 +16,8 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer, render_chat
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -35,6 +38,7 @@ class _Group:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[_Sample] = field(default_factory=list)
+    error: str | None = None  # why the engine failed one of its samples (then all of them)
 
     @property
     def finished(self) -> bool:
@@ -70,13 +74,16 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        prompt_text: str | None = None,
     ) -> None:
+        """prompt_text: the text a token-id prompt was encoded from, reported back as the
+        output's prompt (callers that tokenize themselves keep their text)."""
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
         text, token_ids = self.encode_prompt(prompt)
-        group = _Group(request_id, text, token_ids)
+        group = _Group(request_id, text if prompt_text is None else prompt_text, token_ids)
         sample_params = (
             [params] if params.n == 1 else [params.clone_for_sample(i) for i in range(params.n)]
         )
@@ -113,11 +120,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         changed: dict[str, _Group] = {}
         for out in self.core.step():
-            group_id = self._sample_to_group[out.request.request_id]
-            group = self._groups[group_id]
+            group_id = self._sample_to_group.get(out.request.request_id)
+            group = self._groups.get(group_id)
+            if group is None or group.error is not None:
+                continue  # a sibling failed earlier in this step: the group has ended
             sample = next(s for s in group.samples if s.request is out.request)
-            self._advance(sample, out.num_new_tokens, out.finished)
             changed[group_id] = group
+            if out.request.status is RequestStatus.FINISHED_ERROR:
+                self._fail(group, out.request.error or "the engine failed")
+                continue
+            try:
+                self._advance(sample, out.num_new_tokens, out.finished)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                logger.exception("request %s: detokenizing failed", group_id)
+                self._fail(group, f"detokenizing failed: {e}")
         outputs = []
         for group_id, group in changed.items():
             outputs.append(self._output(group))
@@ -126,6 +142,14 @@ class LLMEngine:
                 for s in group.samples:
                     self._sample_to_group.pop(s.request.request_id, None)
         return outputs
+
+    def _fail(self, group: _Group, error: str) -> None:
+        """One sample failed: the caller's request fails, so its other samples stop too."""
+        group.error = error
+        for s in group.samples:
+            self.core.finish(s.request.request_id, RequestStatus.FINISHED_ERROR)
+            if s.finish_reason is None:
+                s.finish_reason = RequestStatus.FINISHED_ERROR.value
 
     def _advance(self, sample: _Sample, num_new: int, finished: bool) -> None:
         request = sample.request
@@ -184,6 +208,7 @@ class LLMEngine:
             prompt_logprobs=first.prompt_logprobs
             if first.params.prompt_logprobs is not None
             else None,
+            error=group.error,
         )
 
 

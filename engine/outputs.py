@@ -28,7 +28,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
 
@@ -41,4 +41,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # Set when the engine failed this request (finish_reason "error"): what went wrong.
+    error: str | None = None
     extra: dict = field(default_factory=dict)

@@ -22,10 +22,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The engine failed while computing it (request.error says how); other requests go on.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self.value in ("stop", "length", "abort", "error")
 
 
 @dataclass(slots=True, eq=False)
@@ -52,6 +54,7 @@ class Request:
     # Structured output: the grammar state after output_token_ids (None: unconstrained).
     matcher: RequestMatcher | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # set with FINISHED_ERROR
     # Speculative decoding: tokens proposed after the last output token, verified by the next
     # step that schedules the request; and what this request's verifications added up to.
     spec_token_ids: list[int] = field(default_factory=list)

@@ -219,7 +219,9 @@ def random_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Ten
     if any(p.min_p > 0.0 for p in params):
         apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
+        # top_k >= vocab is off; clamped first, since an unbounded int fits no tensor.
+        vocab = logits.shape[1]
+        top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
         apply_top_k_top_p(logits, top_k, top_p)
     return logits.softmax(dim=-1)
@@ -295,7 +297,9 @@ def _thresholds_from_top(
     # A token is kept while the mass ranked above it is still short of top_p. Rows with top_p = 1
     # keep everything: float rounding must not let their cumulative sum "reach" 1 early.
     reach = torch.where(top_p < 1.0, top_p, float("inf")).unsqueeze(1)
-    kept = (mass_before < reach).sum(dim=-1)  # >= 1: nothing ranks above the top token
+    # >= 1, as nothing ranks above the top token, unless top_p is 0.0 (validation forbids it;
+    # the clamp keeps the top token regardless).
+    kept = (mass_before < reach).sum(dim=-1).clamp(min=1)
     p_threshold = top.gather(1, (kept - 1).unsqueeze(1)).squeeze(1)
     covered = has_k | (kept < count) | (count == vocab)
     return torch.maximum(kth, p_threshold), covered

@@ -5,12 +5,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.errors import InvalidSamplingParamsError
 from engine.structured.grammar import parse_spec
 
 # torch generators take 64-bit seeds; n > 1 samples use seed + index, so keep room for the index.
 _MAX_SAMPLES = 1 << 16
 _MAX_SEED = (1 << 63) - _MAX_SAMPLES
+# Token ids and counts become int64 tensors in the sampler; anything larger cannot be one.
+_MAX_INT64 = (1 << 63) - 1
+
+
+def _f32(value: float) -> float:
+    """The value as the sampler computes with it: logits are float32, so a top_p of 1e-50 is 0.0
+    there and a temperature of 1e39 is inf, whatever float64 validation saw."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
 
 
 @dataclass(slots=True)
@@ -55,40 +66,44 @@ class SamplingParams:
             return InvalidSamplingParamsError(f"{name} must be {rule}, got {value!r}")
 
         # Written as "not (valid)" so that NaN, for which every comparison is False, is rejected.
-        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+        # Floats are checked as float32 too, the dtype the sampler uses.
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
-        if not 0.0 <= self.temperature < math.inf:
-            raise bad("temperature", self.temperature, ">= 0 and finite")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+        if not (0.0 <= self.temperature < math.inf and _f32(self.temperature) < math.inf):
+            raise bad("temperature", self.temperature, ">= 0 and finite (in float32)")
+        if not (0.0 < self.top_p <= 1.0 and _f32(self.top_p) > 0.0):
+            raise bad("top_p", self.top_p, "in (0, 1] and not 0 in float32 (>= 1.2e-38)")
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "-1 (disabled), 0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if not 0.0 < self.repetition_penalty < math.inf:
-            raise bad("repetition_penalty", self.repetition_penalty, "> 0 and finite")
+        penalty = self.repetition_penalty
+        if not (0.0 < penalty < math.inf and 0.0 < _f32(penalty) < math.inf):
+            raise bad("repetition_penalty", penalty, "> 0 and finite (in float32)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
-            raise bad("seed", self.seed, f"in [0, 2**63 - {_MAX_SAMPLES})")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < _MAX_SEED):
+            raise bad("seed", self.seed, f"an integer in [0, 2**63 - {_MAX_SAMPLES})")
         if self.n > _MAX_SAMPLES:
             raise bad("n", self.n, f"<= {_MAX_SAMPLES}")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, ">= 0")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if any(not s for s in self.stop):
+        if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "a list of non-empty strings")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", self.logprobs, ">= 0")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", self.prompt_logprobs, ">= 0")
+        if any(not _is_int(t) or not 0 <= t <= _MAX_INT64 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "an integer >= 0")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0")
         if self.structured is not None:
             parse_spec(self.structured)  # raises InvalidStructuredOutputError naming the problem
 
@@ -99,3 +114,7 @@ class SamplingParams:
         params.n = 1
         params.seed = seed
         return params
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

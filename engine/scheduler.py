@@ -16,6 +16,7 @@ the blocks that only they used.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -149,13 +150,23 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, list[int]],
+        resample: Collection[str] = (),
+    ) -> list[Request]:
         """Advance computed counts, append the new tokens (one, or the accepted drafts and one
-        more) up to a stop, finish requests; returns the finished."""
+        more) up to a stop, finish requests; returns the finished. Requests in `resample` got
+        no token this step (another request's sampling failed with theirs): their last position
+        is computed again next step, which samples it."""
         finished = []
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_tokens
+            if request.request_id in resample and not request.status.finished:
+                self._roll_back(request, 1 + len(s.spec_token_ids))
+                continue
             tokens = sampled.get(request.request_id)
             if tokens is None or request.status.finished:
                 continue

@@ -111,6 +111,13 @@ class KVCacheManager:
                 self.pool.unregister(block)
         self.pool.free(reversed(blocks))
 
+    def forget_uncomputed(self, request: Request) -> None:
+        """Unregister the request's blocks past its computed tokens, shared or not: a forward
+        that failed never wrote their K/V, and a request that hit one this step failed too."""
+        blocks = self._blocks.get(request.request_id, [])
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            self.pool.unregister(block)
+
     def _register_full_blocks(
         self, request: Request, blocks: list[KVBlock], num_tokens: int
     ) -> None:

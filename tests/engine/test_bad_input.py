@@ -217,6 +217,8 @@ def test_out_of_range_seed_is_rejected_by_name():
 
 
 def test_engine_keeps_serving_after_a_step_fails(model_dir, monkeypatch):
+    """A batch whose sampling fails although no request fails alone: all of them end with
+    finish_reason "error" (the batch cannot be split), and the engine serves on unchanged."""
     llm = LLM(model=str(model_dir), max_model_len=MAX_MODEL_LEN, block_size=16)
     expected = _good_tokens(llm)
     sampler = llm.engine.core.sampler
@@ -228,7 +230,43 @@ def test_engine_keeps_serving_after_a_step_fails(model_dir, monkeypatch):
         return sampler(logits, rows, grammar)
 
     monkeypatch.setattr(llm.engine.core, "sampler", failing_once)
-    with pytest.raises(RuntimeError, match="sampler failure"):
-        llm.generate(GOOD_PROMPTS, GREEDY)
+    outs = llm.generate(GOOD_PROMPTS, GREEDY)
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+    assert all("sampler failure" in o.error for o in outs)
     _assert_clean(llm)
     assert _good_tokens(llm) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"top_p": 1e-50, "temperature": 1.0}, "top_p"),  # 0.0 in float32
+        ({"temperature": 1e39}, "temperature"),  # inf in float32
+        ({"repetition_penalty": 1e-50}, "repetition_penalty"),
+        ({"repetition_penalty": 1e39}, "repetition_penalty"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"logprobs": 2.5}, "logprobs"),
+    ],
+)
+def test_values_that_break_float32_or_int64_are_rejected_by_name(kwargs, field):
+    with pytest.raises(InvalidSamplingParamsError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_a_huge_top_k_means_no_top_k(llm):
+    huge = SamplingParams(temperature=1.0, top_k=10**30, seed=3, max_tokens=6, ignore_eos=True)
+    off = SamplingParams(temperature=1.0, top_k=-1, seed=3, max_tokens=6, ignore_eos=True)
+    a, b = llm.generate([GOOD_PROMPTS[0]] * 2, [huge, off])
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    _assert_clean(llm)
+
+
+def test_smallest_float32_top_p_samples_the_top_token(llm):
+    tiny = SamplingParams(temperature=1.0, top_p=1.2e-38, seed=1, max_tokens=6, ignore_eos=True)
+    out = llm.generate([GOOD_PROMPTS[0]], tiny)[0]
+    greedy = llm.generate(
+        [GOOD_PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    )[0]
+    assert out.outputs[0].token_ids == greedy.outputs[0].token_ids
