@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.errors import RequestFailedError
+from engine.errors import EngineShutdownError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -52,6 +52,11 @@ class _Add:
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _FailAll:
+    message: str
 
 
 @dataclass(slots=True)
@@ -102,7 +107,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         """Builds the LLMEngine on the engine thread and returns once it is ready; a failure to
         build (bad model folder, bad option) is raised here."""
-        self._inbox: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _FailAll | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         # Samples submitted whose add the engine thread has not finished: with the scheduler's
         # waiting list they make the waiting count admission checks against.
@@ -193,6 +198,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
+    def fail_all(self, message: str) -> None:
+        """End every unfinished request with EngineShutdownError(message); thread-safe (the
+        server calls it from a timer when its grace period after SIGTERM runs out)."""
+        self._inbox.put(_FailAll(message))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stop the loop thread (requests still running are aborted)."""
         self._stopping = True
@@ -222,7 +232,7 @@ class AsyncEngine:
                 self._step()
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
-            stream.put(RuntimeError("the engine is shutting down"))
+            stream.put(EngineShutdownError("the engine is shutting down"))
         self._streams.clear()
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -238,6 +248,12 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 if self._streams.pop(command.request_id, None) is not None:
                     self.engine.abort(command.request_id)
+                continue
+            if isinstance(command, _FailAll):
+                for request_id, stream in list(self._streams.items()):
+                    self.engine.abort(request_id)
+                    stream.put(EngineShutdownError(command.message))
+                self._streams.clear()
                 continue
             try:
                 self.engine.add_request(

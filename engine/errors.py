@@ -21,3 +21,8 @@ class InvalidStructuredOutputError(InvalidSamplingParamsError):
 class RequestFailedError(RuntimeError):
     """The engine failed while computing a request that it had accepted (a server error, not the
     caller's): the request ends, the engine and every other request go on."""
+
+
+class EngineShutdownError(RequestFailedError):
+    """The engine is stopping (the server's grace period after SIGTERM ran out) and ended the
+    request before it finished."""

@@ -90,10 +90,34 @@ def serve(
     ] = None,
     host: Annotated[str, typer.Option(help="Bind address (loopback unless told).")] = "127.0.0.1",
     port: Annotated[int, typer.Option()] = 8000,
-    api_key: Annotated[str | None, typer.Option(help="Require this bearer key.")] = None,
-    max_waiting_requests: Annotated[
-        int | None, typer.Option(help="Answer 429 when this many requests wait.")
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Require this bearer key on /v1/ (visible in `ps`: prefer $NIGHTSHIFT_API_KEY "
+            "or --api-key-file)."
+        ),
     ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="Read the bearer key from this file (first line).")
+    ] = None,
+    allow_unauthenticated: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unauthenticated", help="Listen beyond loopback without an API key anyway."
+        ),
+    ] = False,
+    max_waiting_requests: Annotated[
+        int | None,
+        typer.Option(help="Answer 429 when this many samples wait (n=k counts k).", min=0),
+    ] = None,
+    max_logprobs: Annotated[
+        int,
+        typer.Option(help="Most logprobs / top_logprobs / prompt_logprobs a request gets.", min=0),
+    ] = 20,
+    max_n: Annotated[int, typer.Option(help="Most samples (n) per request.", min=1)] = 128,
+    max_request_bytes: Annotated[
+        int, typer.Option(help="Largest request body; larger ones get a 413.", min=1)
+    ] = 16 << 20,
     grace_period: Annotated[
         float, typer.Option(help="Seconds in-flight requests get after SIGTERM.")
     ] = 30.0,
@@ -134,30 +158,49 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
+    from engine.server.auth import resolve_api_key
+    from engine.server.limits import RequestLimits
     from engine.server.serve import serve as run_server
+    from nightshift.cli_errors import user_errors
 
-    config = EngineConfig(
-        model=model,
-        dtype=dtype,
-        device=device,
-        block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
-        kv_cache_memory=kv_cache_memory,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=enable_prefix_caching,
-        profile_path=profile_path,
-        gpu_memory_utilization=gpu_memory_utilization,
-        attention_backend=attention_backend,
-        enforce_eager=enforce_eager,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-        draft_model=draft_model,
-        prompt_lookup_min=prompt_lookup_min,
-        prompt_lookup_max=prompt_lookup_max,
+    limits = RequestLimits(
+        max_logprobs=max_logprobs, max_n=max_n, max_request_bytes=max_request_bytes
     )
-    run_server(config, host, port, served_model_name, api_key, max_waiting_requests, grace_period)
+    # Bad options, a bad model folder, an unsafe bind: one line and exit 2, no traceback.
+    with user_errors(ValueError, OSError):
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+            profile_path=profile_path,
+            gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend,
+            enforce_eager=enforce_eager,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
+            draft_model=draft_model,
+            prompt_lookup_min=prompt_lookup_min,
+            prompt_lookup_max=prompt_lookup_max,
+        )
+        key = resolve_api_key(api_key, api_key_file)
+        run_server(
+            config,
+            host,
+            port,
+            served_model_name,
+            key,
+            max_waiting_requests,
+            grace_period,
+            limits,
+            allow_unauthenticated,
+        )
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")

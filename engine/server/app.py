@@ -1,6 +1,11 @@
 """The OpenAI-compatible API over AsyncEngine: chat and text completions (streaming or not),
-models, health, version. Errors use OpenAI's body, {"error": {message, type, param, code}}; bad
-input is a 400 and never stops the server."""
+models, health, version. Errors use OpenAI's body (engine/server/errors.py); bad input is a 400
+and never stops the server; no request can fail another.
+
+A request's path: limits checked (limits.py), prompts tokenized off the event loop and off the
+engine thread (a length bound refuses a huge prompt before tokenizing), admitted atomically with
+its samples counted against --max-waiting-requests, then streamed or awaited while watching for
+the client's disconnect (disconnect.py), which aborts the request in the engine."""
 
 from __future__ import annotations
 
@@ -8,45 +13,24 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestStream
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.server.auth import APIKeyCheck
+from engine.server.disconnect import ClientDisconnected, until_disconnected
+from engine.server.errors import APIError, as_api_error, install_error_handlers, sse_error
+from engine.server.limits import BodySizeLimit, RequestLimits, check_prompt_count, check_sampling
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 VERSION = "0.1.0"
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = (
-            status,
-            message,
-            kind,
-            param,
-            code,
-        )
-
-
-def error_response(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+_DONE = "data: [DONE]\n\n"
 
 
 def create_app(
@@ -54,45 +38,26 @@ def create_app(
     served_model_name: str,
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="Nightshift", version=VERSION)
+    limits = limits or RequestLimits()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # Stopped while the event loop still runs, so requests still open get their error.
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="Nightshift", version=VERSION, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyCheck, api_key=api_key)  # outermost: before reading a body
     tokenizer = engine.engine.tokenizer
+    max_model_len = engine.engine.core.max_model_len
+    # No prompt longer than this can fit, whatever it says: no token covers more characters.
+    max_prompt_chars = max_model_len * _max_token_chars(tokenizer)
     metrics = ServerMetrics(engine)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        response = error_response(e.status, e.message, e.kind, e.param, e.code)
-        if e.status == 429:
-            response.headers["Retry-After"] = "1"
-        return response
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        message = (
-            f"{where}: {first.get('msg', 'invalid request')}"
-            if where
-            else str(first.get("msg", "invalid request body"))
-        )
-        return error_response(400, message, "invalid_request_error", where or None)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(_: Request, e: ValueError) -> JSONResponse:
-        return error_response(400, str(e), "invalid_request_error")
-
-    @app.middleware("http")
-    async def _check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                return error_response(
-                    401,
-                    "invalid or missing API key",
-                    "invalid_request_error",
-                    code="invalid_api_key",
-                )
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -116,21 +81,9 @@ def create_app(
             "object": "model",
             "created": 0,
             "owned_by": "nightshift",
-            "max_model_len": engine.engine.core.max_model_len,
+            "max_model_len": max_model_len,
         }
         return {"object": "list", "data": [card]}
-
-    def check_admission(name: str) -> None:
-        if max_waiting_requests is not None and (
-            len(engine.engine.core.scheduler.waiting) >= max_waiting_requests
-        ):
-            raise APIError(
-                429,
-                f"the waiting queue is full ({max_waiting_requests} requests); retry later",
-                "rate_limit_exceeded",
-                code="queue_full",
-            )
-        check_model(name)
 
     def check_model(name: str) -> None:
         if name != served_model_name:
@@ -142,43 +95,118 @@ def create_app(
                 "model_not_found",
             )
 
+    def check_length(chars: int, field: str) -> None:
+        if chars > max_prompt_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"{field} has {chars} characters, more than {max_model_len} tokens can hold "
+                f"(refused before tokenizing).",
+                param=field,
+                code="context_length_exceeded",
+            )
+
+    def submit(
+        rid: str, prompts: list[tuple[list[int], str | None]], params
+    ) -> list[RequestStream]:
+        try:
+            return engine.submit_many(
+                [
+                    (f"{rid}-{i}" if len(prompts) > 1 else rid, ids, text)
+                    for i, (ids, text) in enumerate(prompts)
+                ],
+                params,
+                max_waiting=max_waiting_requests,
+            )
+        except Exception as e:
+            metrics.rejected.labels(as_api_error(e).code or "error").inc()
+            raise
+
+    async def respond(request: Request, work: Awaitable, streams: list[RequestStream]):
+        """Await the response while the client is there; a client gone aborts the request.
+        Unless a stream's response takes them over, the request streams end here."""
+        result = None
+        try:
+            result = await until_disconnected(request, work)
+            return result
+        except ClientDisconnected:
+            metrics.aborted.labels("client_disconnect").inc()
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        except Exception as e:
+            metrics.count_failure(e)
+            raise
+        finally:
+            if not isinstance(result, StreamingResponse):
+                for s in streams:
+                    await s.aclose()
+
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
-        check_admission(body.model)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        check_sampling(body, limits)
         params = body.to_sampling_params()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        # Rendering and tokenizing run off the event loop.
+        check_length(sum(len(m["content"]) for m in messages), "messages")
+        # Rendering and tokenizing run on a worker thread: neither the event loop nor the
+        # engine's steps wait for them.
         prompt_ids = await asyncio.to_thread(engine.engine.encode_chat, messages)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = engine.generate(rid, prompt_ids, params)
-        first = await _first(outputs)
-        if body.stream:
-            return _sse(_chat_stream(rid, body, first, outputs))
-        final = await _last(first, outputs)
-        metrics.observe_finished(final)
-        return _chat_response(rid, body, final)
+        streams = submit(rid, [(prompt_ids, None)], params)
+
+        async def work():
+            first = await _first(streams[0])
+            if body.stream:
+                return _sse(guarded(_chat_stream(rid, body, first, streams[0]), streams))
+            final = await _last(first, streams[0])
+            metrics.observe_finished(final)
+            return _chat_response(rid, body, final)
+
+        return await respond(request, work(), streams)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        check_admission(body.model)
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        check_sampling(body, limits)
         params = body.to_sampling_params()
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty", "invalid_request_error", "prompt")
+        check_prompt_count(len(prompts), limits)
+        for p in prompts:
+            check_length(len(p), "prompt")
+        encoded = await asyncio.to_thread(_encode_all, engine, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = [engine.generate(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
-        try:
+        streams = submit(rid, encoded, params)
+
+        async def work():
             firsts = [await _first(s) for s in streams]
-        except BaseException:
+            if body.stream:
+                return _sse(guarded(_completion_stream(rid, body, firsts, streams), streams))
+            finals = await asyncio.gather(*(_last(f, s) for f, s in zip(firsts, streams)))
+            for final in finals:
+                metrics.observe_finished(final)
+            return _completion_response(rid, body, finals)
+
+        return await respond(request, work(), streams)
+
+    async def guarded(events: AsyncIterator[str], streams: list[RequestStream]):
+        """Every stream ends with `data: [DONE]`: after its last chunk, or after an error event
+        when the engine fails it (or shuts down) mid-way. A client gone aborts the request."""
+        ended = False
+        try:
+            async for event in events:
+                yield event
+            ended = True
+        except Exception as e:  # noqa: BLE001 - reported to the client, in OpenAI's shape
+            metrics.count_failure(e)
+            ended = True
+            yield sse_error(e)
+            yield _DONE
+        finally:
+            if not ended:
+                metrics.aborted.labels("client_disconnect").inc()
             for s in streams:
                 await s.aclose()
-            raise
-        if body.stream:
-            return _sse(_completion_stream(rid, body, firsts, streams))
-        finals = await asyncio.gather(*(_last(f, s) for f, s in zip(firsts, streams)))
-        for final in finals:
-            metrics.observe_finished(final)
-        return _completion_response(rid, body, finals)
 
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
@@ -302,7 +330,7 @@ def create_app(
             metrics.observe_finished(final)
         if body.include_usage:
             yield chunk([], {"usage": usage([final])})
-        yield "data: [DONE]\n\n"
+        yield _DONE
 
     def _completion_choice(
         index: int, body: CompletionRequest, final: RequestOutput, o: CompletionOutput
@@ -355,8 +383,12 @@ def create_app(
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int) -> None:
-            async for out in _chain(firsts[i], streams[i]):
-                await queue.put((i, out))
+            try:
+                async for out in _chain(firsts[i], streams[i]):
+                    await queue.put((i, out))
+            except Exception as e:  # noqa: BLE001 - re-raised by the reader below
+                await queue.put((i, e))
+                return
             await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
@@ -366,6 +398,8 @@ def create_app(
             running = len(tasks)
             while running:
                 i, out = await queue.get()
+                if isinstance(out, Exception):
+                    raise out
                 if out is None:
                     running -= 1
                     continue
@@ -409,7 +443,7 @@ def create_app(
                     "usage": usage([finals[i] for i in sorted(finals)]),
                 }
                 yield f"data: {json.dumps(data)}\n\n"
-            yield "data: [DONE]\n\n"
+            yield _DONE
         finally:
             for t in tasks:
                 t.cancel()
@@ -441,6 +475,22 @@ async def _last(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> Req
     async for out in _chain(first, rest):
         final = out
     return final
+
+
+def _encode_all(
+    engine: AsyncEngine, prompts: list[str | list[int]]
+) -> list[tuple[list[int], str | None]]:
+    """(token ids, text) per prompt; runs on a worker thread."""
+    return [engine.engine.encode_prompt(p)[::-1] for p in prompts]
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (from its UTF-8 length in the vocabulary, an
+    upper bound for byte-level and sentencepiece vocabularies alike); 64 without a tokenizer,
+    whose prompts are token ids anyway."""
+    if tokenizer is None:
+        return 64
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
 
 
 def _sse(gen: AsyncIterator[str]) -> StreamingResponse:

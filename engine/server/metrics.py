@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_engine import AsyncEngine
+from engine.errors import EngineShutdownError, RequestFailedError
 from engine.outputs import RequestOutput
 from engine.spec.stats import SpecDecodeStats
 
@@ -105,6 +106,24 @@ class ServerMetrics:
             ["finished_reason"],
             registry=r,
         )
+        self.aborted = Counter(
+            "nightshift:request_aborted",
+            "Requests ended before they finished: client_disconnect (the client left, streaming "
+            "or not) or shutdown (the grace period after SIGTERM ran out).",
+            ["reason"],
+            registry=r,
+        )
+        self.failed = Counter(
+            "nightshift:request_failed",
+            "Accepted requests the engine failed (each alone; the others went on).",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "nightshift:request_rejected",
+            "Requests refused at admission, by code (queue_full: over --max-waiting-requests).",
+            ["code"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "nightshift:time_to_first_token_seconds",
             "Time to first token.",
@@ -127,6 +146,13 @@ class ServerMetrics:
             "nightshift:step_seconds", "Engine step wall time.", buckets=_STEP_BUCKETS, registry=r
         )
         engine.step_observers.append(self.step.observe)
+
+    def count_failure(self, e: BaseException) -> None:
+        """A request that ended with an error after admission."""
+        if isinstance(e, EngineShutdownError):
+            self.aborted.labels("shutdown").inc()
+        elif isinstance(e, RequestFailedError):
+            self.failed.inc()
 
     def observe_finished(self, final: RequestOutput) -> None:
         m = final.metrics

@@ -5,19 +5,49 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import threading
 
 import uvicorn
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server.app import create_app
+from engine.server.auth import API_KEY_ENV, is_loopback
+from engine.server.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
 
+# After the grace period, requests still open are ended by the engine (an error event and
+# [DONE] for streams, a 503 otherwise); this long is left for those answers to go out.
+_FLUSH_S = 5.0
+
+
+class UnsafeBindError(ValueError):
+    """Listening beyond loopback without an API key, and without saying so on purpose."""
+
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, except that a graceful stop ends the process normally (exit 0): uvicorn
-    re-raises the captured SIGTERM after shutting down, which a supervisor reads as a crash."""
+    """uvicorn's server, except that:
+    - a graceful stop ends the process normally (exit 0): uvicorn re-raises the captured
+      SIGTERM after shutting down, which a supervisor reads as a crash;
+    - when the grace period runs out, the engine ends what is left cleanly, rather than
+      uvicorn cancelling handler tasks mid-response (a traceback each, and cut streams)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_period: float) -> None:
+        super().__init__(config)
+        self._engine, self._grace_period = engine, grace_period
+        self._timer: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(
+                self._grace_period,
+                self._engine.fail_all,
+                args=(f"the server is shutting down (grace period of {self._grace_period:g} s)",),
+            )
+            self._timer.daemon = True
+            self._timer.start()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -29,6 +59,15 @@ class _Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
+def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    if api_key or allow_unauthenticated or is_loopback(host):
+        return
+    raise UnsafeBindError(
+        f"refusing to listen on {host} without an API key: anyone who reaches it could use the "
+        f"model. Set ${API_KEY_ENV} or --api-key-file, or pass --allow-unauthenticated"
+    )
+
+
 def serve(
     config: EngineConfig,
     host: str,
@@ -37,9 +76,12 @@ def serve(
     api_key: str | None,
     max_waiting_requests: int | None = None,
     grace_period: float = 30.0,
+    limits: RequestLimits | None = None,
+    allow_unauthenticated: bool = False,
 ) -> None:
     """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
-    for up to grace_period seconds; whatever still runs after that is aborted, and we exit 0."""
+    for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
+    check_bind(host, api_key, allow_unauthenticated)
     engine = AsyncEngine(config)
     core = engine.engine.core
     name = served_model_name or config.model
@@ -54,11 +96,15 @@ def serve(
         config.block_size,
         core.max_request_tokens,
     )
-    app = create_app(engine, name, api_key, max_waiting_requests)
+    app = create_app(engine, name, api_key, max_waiting_requests, limits)
     try:
         server_config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_period
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=grace_period + _FLUSH_S,
         )
-        _Server(server_config).run()
+        _Server(server_config, engine, grace_period).run()
     finally:
         engine.shutdown()

@@ -1,0 +1,128 @@
+"""Every error the server answers has OpenAI's body, {"error": {message, type, param, code}}:
+bad input (400), auth (401), unknown routes (404/405), oversized bodies (413), a full queue
+(429), engine failures (500) and shutdown (503). Streams that fail after their first byte end
+with the same object as an SSE event, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_engine import QueueFullError
+from engine.errors import EngineShutdownError, RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's error types by status, for errors that carry none of their own.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or _TYPES.get(status, "invalid_request_error")
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | int | None = None
+) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str | None = None,
+    param: str | None = None,
+    code: str | int | None = None,
+) -> JSONResponse:
+    body = error_body(message, kind or _TYPES.get(status, "invalid_request_error"), param, code)
+    response = JSONResponse(body, status_code=status)
+    if status == 429:
+        response.headers["Retry-After"] = "1"
+    return response
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """The HTTP error for an exception raised while serving a request."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), "rate_limit_exceeded", code="queue_full")
+    if isinstance(e, EngineShutdownError):
+        return APIError(503, str(e), code="shutting_down")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="engine_error")
+    if isinstance(e, ValueError):
+        return APIError(400, str(e))
+    return APIError(500, f"internal server error: {type(e).__name__}: {e}")
+
+
+def sse_error(e: BaseException) -> str:
+    """The SSE event a failed stream ends with (before `data: [DONE]`)."""
+    err = as_api_error(e)
+    return f"data: {json.dumps(error_body(err.message, err.kind, err.param, err.code))}\n\n"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.kind, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = str(first.get("msg", "invalid request body"))
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}"
+            where = ""
+        return error_response(400, f"{where}: {message}" if where else message, param=where or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        response = error_response(e.status_code, str(e.detail), code=e.status_code)
+        for name, value in (e.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    async def _known(_: Request, e: Exception) -> JSONResponse:
+        err = as_api_error(e)
+        return error_response(err.status, err.message, err.kind, err.param, err.code)
+
+    # Handled where they are raised, no traceback: the caller's bad input, a full queue, a
+    # request the engine failed (the engine logged why) or ended at shutdown.
+    for known in (ValueError, QueueFullError, RequestFailedError):
+        app.add_exception_handler(known, _known)
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, e: Exception) -> JSONResponse:
+        # A bug: answered in OpenAI's shape, and Starlette logs the traceback.
+        err = as_api_error(e)
+        if err.status >= 500:
+            logger.error("request failed: %s", err.message, exc_info=e)
+        return error_response(err.status, err.message, err.kind, err.param, err.code)
