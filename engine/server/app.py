@@ -109,6 +109,15 @@ def create_app(
     def submit(
         rid: str, prompts: list[tuple[list[int], str | None]], params
     ) -> list[RequestStream]:
+        samples = params.n * len(prompts)
+        if max_waiting_requests is not None and samples > max_waiting_requests:
+            raise APIError(
+                400,
+                f"n x prompts = {samples} samples, over this server's waiting limit of "
+                f"{max_waiting_requests} (set by --max-waiting-requests), so it is never admitted",
+                param="n",
+                code="limit_exceeded",
+            )
         try:
             return engine.submit_many(
                 [

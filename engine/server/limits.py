@@ -28,6 +28,9 @@ def check_sampling(body, limits: RequestLimits) -> None:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > limits.max_stop:
         raise _over("stop", f"{len(stop)} strings", limits.max_stop, None)
+    stop_ids = getattr(body, "stop_token_ids", None) or []
+    if len(stop_ids) > limits.max_stop:
+        raise _over("stop_token_ids", f"{len(stop_ids)} ids", limits.max_stop, None)
     for s in stop:
         if len(s) > limits.max_stop_chars:
             raise _over("stop", f"a string of {len(s)} characters", limits.max_stop_chars, None)

@@ -49,6 +49,7 @@ class _Sampling(BaseModel):
     min_p: float = 0.0
     n: int = 1
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -83,6 +84,7 @@ class _Sampling(BaseModel):
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=stop,
+            stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured=self.structured_output(),

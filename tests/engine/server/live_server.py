@@ -17,6 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.model_fetch import fetch_default_model
 from engine.server.app import create_app
+from engine.server.limits import RequestLimits
 from tests.engine.tiny_models import build_tiny_model
 
 
@@ -34,11 +35,17 @@ def build_chat_model(path: Path, **overrides: object) -> Path:
 
 @contextmanager
 def live_server(
-    model_dir: Path, served_name: str, *, api_key: str | None = None, **engine_options: object
+    model_dir: Path,
+    served_name: str,
+    *,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    limits: RequestLimits | None = None,
+    **engine_options: object,
 ) -> Iterator[tuple[str, AsyncEngine]]:
     """Yields (http://127.0.0.1:PORT, engine) while the server runs."""
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **engine_options))
-    app = create_app(engine, served_name, api_key=api_key)
+    app = create_app(engine, served_name, api_key, max_waiting_requests, limits)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]

@@ -73,3 +73,72 @@ def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_grace_period_over_ends_requests_cleanly_without_tracebacks(tmp_path):
+    """Requests still running when the grace period ends get an answer (a stream: an error
+    event and [DONE]; otherwise a 503 in OpenAI's shape), and the log has no traceback."""
+    # 4000 tokens take several seconds, far past the 0.5 s grace period.
+    model = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
+    port = free_loopback_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "nightshift.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--grace-period",
+        "0.5",
+        "--max-model-len",
+        "4096",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url)
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}
+        results: dict[str, object] = {}
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60
+            ) as r:
+                results["stream"] = [ln for ln in r.iter_lines() if ln]
+
+        def plain() -> None:
+            results["plain"] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+        clients = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for c in clients:
+            c.start()
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGTERM)
+        for c in clients:
+            c.join(60)
+        assert proc.wait(60) == 0
+        log = proc.stdout.read()
+        assert "Traceback" not in log, log
+        lines = results["stream"]
+        assert lines[-1] == "data: [DONE]"
+        assert "shutting down" in lines[-2] and '"error"' in lines[-2]
+        plain_response = results["plain"]
+        assert plain_response.status_code == 503
+        assert plain_response.json()["error"]["code"] == "shutting_down"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _wait_healthy(url: str) -> None:
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("server did not start")
