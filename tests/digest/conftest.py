@@ -4,6 +4,7 @@ names one (CI creates a fresh database). Each test gets an empty schema."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 from sqlalchemy import text
@@ -20,6 +21,14 @@ def _empty_postgres(url: str) -> None:
         Base.metadata.drop_all(conn)
         conn.execute(text("DROP TABLE IF EXISTS alembic_version"))
     engine.dispose()
+
+
+def fresh_database(url: str, sqlite_path: Path) -> str:
+    """An empty database of the kind `url` names: a new SQLite file, or `url` emptied."""
+    if url.startswith("sqlite"):
+        return f"sqlite:///{sqlite_path}"
+    _empty_postgres(url)
+    return url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
