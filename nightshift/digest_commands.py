@@ -71,6 +71,10 @@ SiteUrlOpt = Annotated[
 ]
 CrossOpt = Annotated[bool, typer.Option(help="rss: keep cross-listed announcements too.")]
 MaxCharsOpt = Annotated[int, typer.Option(help="fulltext: truncate the text to this length.")]
+LocalModelOpt = Annotated[
+    str,
+    typer.Option(help="local: the model the local server loads, 'default' or an HF folder."),
+]
 LocalSpecOpt = Annotated[
     bool,
     typer.Option(
@@ -122,6 +126,7 @@ def _run_options(
     max_input_chars: int,
     site_url: str | None,
     local_speculation: bool = True,
+    local_model: str = "default",
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
@@ -153,6 +158,7 @@ def _run_options(
         arxiv_rss_url=os.environ.get("NIGHTSHIFT_ARXIV_RSS_URL"),
         arxiv_html_url=os.environ.get("NIGHTSHIFT_ARXIV_HTML_URL"),
         site_url=site_url,
+        local_model=local_model,
         local_server_args=LOCAL_SPECULATION if local_speculation else (),
     )
 
@@ -172,6 +178,7 @@ _RUN_FIELDS = (
     "max_input_chars",
     "site_url",
     "local_speculation",
+    "local_model",
 )
 
 
@@ -198,11 +205,16 @@ def digest_run(
     max_input_chars: MaxCharsOpt = 24_000,
     site_url: SiteUrlOpt = None,
     local_speculation: LocalSpecOpt = True,
+    local_model: LocalModelOpt = "default",
 ) -> None:
     """Fetch the day's papers, summarize and review each, store, and publish the digest."""
+    from digest.sigterm import sigterm_unwinds
+
     # The command's own parameters are exactly the run options (schedule shares them).
     options = _run_options(_digest_date(date_, source), **_run_fields(locals()))
-    report = _guarded(lambda: _run_with_progress(options))
+    resume = f"stopped by SIGTERM; `digest run --date {options.digest_date}` resumes the run"
+    with sigterm_unwinds(resume):
+        report = _guarded(lambda: _run_with_progress(options))
     for line in report.lines():
         typer.echo(line)
     raise typer.Exit(report.exit_code)
@@ -287,6 +299,7 @@ def digest_schedule(
     max_input_chars: MaxCharsOpt = 24_000,
     site_url: SiteUrlOpt = None,
     local_speculation: LocalSpecOpt = True,
+    local_model: LocalModelOpt = "default",
 ) -> None:
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
     from digest.schedule import (

@@ -3,16 +3,32 @@ random model with the default tokenizer) on loopback, the calls go through it, a
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
 from digest.pipeline import run_digest
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
+from digest.store.schema import RunRow
 from nightshift.digest_commands import LOCAL_SPECULATION
-from tests.digest.test_pipeline import DAY, options
+from tests.digest.test_pipeline import DAY, options, write_papers
 from tests.engine.server.live_server import build_chat_model
 
 
-def test_local_endpoint_runs_our_server(tmp_path, sqlite_url):
-    model = build_chat_model(tmp_path / "tiny", max_position_embeddings=2048)
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_chat_model(tmp_path_factory.mktemp("model") / "tiny", max_position_embeddings=2048)
+
+
+def test_local_endpoint_runs_our_server(tmp_path, sqlite_url, tiny_model):
+    model = tiny_model
     run = options(
         tmp_path,
         sqlite_url,
@@ -65,3 +81,73 @@ def test_local_speculation_is_on_unless_turned_off():
     )
     assert _run_options(DAY, **common).local_server_args == ("--speculative", "ngram")
     assert _run_options(DAY, **common, local_speculation=False).local_server_args == ()
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is `pid` (from /proc; zombies count as gone)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def _port(pid: int) -> int:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(args[args.index(b"--port") + 1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_local_server_dies_with_the_digest(tmp_path, tiny_model, sig):
+    db = f"sqlite:///{tmp_path / 'digest.db'}"
+    cmd = [
+        sys.executable, "-m", "nightshift.cli", "digest", "run", "--date", DAY.isoformat(),
+        "--source", str(write_papers(tmp_path / "papers.jsonl")), "--endpoint", "local",
+        "--local-model", str(tiny_model), "--db", db, "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    digest = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        server = port = None
+        while time.monotonic() < deadline and not (port and _listening(port)):
+            assert digest.poll() is None, digest.stderr.read().decode()
+            if server is None and (children := _children(digest.pid)):
+                (server,) = children
+            if server is not None and port is None:
+                port = _port(server)
+            time.sleep(0.05)
+        assert port and _listening(port), "the local server never listened"
+        digest.send_signal(sig)
+        digest.wait(10)
+        deadline = time.monotonic() + 10
+        while (_alive(server) or _listening(port)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server), "the local server outlived the digest"
+        assert not _listening(port)
+    finally:
+        digest.kill()
+        digest.wait()
+    assert digest.returncode == -sig
+    if sig == signal.SIGTERM:
+        # A stop unwinds like a failure: the run is recorded, and how to resume is said.
+        assert b"stopped by SIGTERM" in digest.stderr.read()
+        with open_database(db).connect() as conn:
+            run = conn.execute(select(RunRow)).one()
+        assert run.status == "failed" and "Terminated" in run.error
