@@ -9,7 +9,6 @@ coefficients, refit - until the assignment stops changing (a k-plane regression)
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,12 +16,13 @@ from pathlib import Path
 import numpy as np
 
 from capacity.perf import ModelCosts, PerfCoefficients, PerfModel, StepShape
+from workload.input_file import Fields, parse_json, read_json, text_lines
 
 MAX_ITERATIONS = 50
 
 
 class CalibrationError(ValueError):
-    """The profile cannot be fitted (missing, malformed, or too few steps)."""
+    """The profile cannot be fitted (too few steps); a malformed one is a BadInputFile."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,41 +49,67 @@ class Calibration:
         return Calibration(**{**data, "coefficients": PerfCoefficients(**data["coefficients"])})
 
 
+# A step's counts and seconds, bounded so that a corrupt profile is an error, not a fit to 1e300.
+MAX_STEP_COUNT = 2**53
+MAX_STEP_S = 3600.0
+PROFILE_FIELDS = (
+    "step", "wall_s", "num_batched_tokens", "sampled_requests", "attention_pairs", "context_tokens"
+)  # fmt: skip
+
+
 def load_samples(path: Path) -> list[Sample]:
-    """Steps of a profile with their cycle times (step + the gap before the next busy step)."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise CalibrationError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    records = []
-    for number, line in enumerate(lines, 1):
+    """Steps of a profile with their cycle times (step + the gap before the next busy step).
+    A bad line raises BadInputFile naming the file and the line."""
+    steps: list[tuple[int, int, float, float, StepShape]] = []  # line, step, wall, gap, shape
+    for number, line in text_lines(path):
         if not line.strip():
             continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise CalibrationError(f"{path}:{number}: not JSON ({exc.msg})") from None
-    needed = ("wall_s", "num_batched_tokens", "sampled_requests", "attention_pairs")
-    samples = []
-    for i, rec in enumerate(records):
-        if missing := [k for k in needed if k not in rec]:
-            raise CalibrationError(
-                f"{path}: step {i} lacks {missing}; record the profile with this version"
-            )
-        follower = records[i + 1] if i + 1 < len(records) else None
-        gap = (
-            follower.get("gap_s", 0.0)
-            if follower and follower.get("step") == rec["step"] + 1
-            else 0
-        )
+        rec = Fields.of(parse_json(line.rstrip("\r\n"), path, number), path, number)
+        if missing := [k for k in PROFILE_FIELDS if k not in rec.data]:
+            raise rec.error(f"the step lacks {missing}; record the profile with this version")
+        count = {
+            key: rec.integer(key, 0, MAX_STEP_COUNT)
+            for key in ("num_batched_tokens", "sampled_requests", "attention_pairs")
+        }
         shape = StepShape(
-            rec["num_batched_tokens"],
-            rec["sampled_requests"],
-            rec["attention_pairs"],
-            rec["context_tokens"],
+            count["num_batched_tokens"],
+            count["sampled_requests"],
+            count["attention_pairs"],
+            rec.integer("context_tokens", 0, MAX_STEP_COUNT),
         )
-        samples.append(Sample(shape, rec["wall_s"] + gap))
+        # A step takes time: a zero would divide the fit's relative error by zero.
+        wall = rec.number("wall_s", 0, MAX_STEP_S)
+        if wall <= 0:
+            raise rec.error(f"wall_s must be positive, not {wall:g}")
+        gap = rec.number("gap_s", 0, MAX_STEP_S, 0.0)
+        steps.append((number, rec.integer("step", 0, MAX_STEP_COUNT), wall, gap, shape))
+    samples = []
+    for i, (_, step, wall, _, shape) in enumerate(steps):
+        follower = steps[i + 1] if i + 1 < len(steps) else None
+        gap = follower[3] if follower and follower[1] == step + 1 else 0.0
+        samples.append(Sample(shape, wall + gap))
     return samples
+
+
+def load_calibration(path: Path) -> Calibration:
+    """A calibration file (`capacity calibrate -o`), every field checked."""
+    data = Fields.of(read_json(path), path)
+    c = data.mapping("coefficients")
+    coefficients = PerfCoefficients(
+        *(c.number(key, 0, math.inf) for key in ("k_compute", "k_memory", "t_step", "t_row")),
+        basis=c.text("basis") or "",
+    )
+    if not (coefficients.k_compute or coefficients.k_memory or coefficients.t_step):
+        raise c.error("k_compute, k_memory and t_step are all 0: steps would take no time")
+    return Calibration(
+        coefficients=coefficients,
+        steps=data.integer("steps", 0, MAX_STEP_COUNT),
+        rmse_s=data.number("rmse_s", 0, math.inf),
+        mean_abs_error_pct=data.number("mean_abs_error_pct", 0, math.inf),
+        total_error_pct=data.number("total_error_pct", -math.inf, math.inf),
+        compute_bound_steps=data.integer("compute_bound_steps", 0, MAX_STEP_COUNT),
+        machine=data.text("machine") or "",
+    )
 
 
 def fit(samples: list[Sample], costs: ModelCosts, machine: str = "this machine") -> Calibration:

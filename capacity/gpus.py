@@ -13,14 +13,17 @@ region; override them with a file or the command line.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from workload.input_file import BadInputFile, parse_json, read_text
+
 GIB = 1 << 30
+MAX_FIELD = 1e9  # any GPU field beyond it (GiB, GB/s, TFLOP/s, USD/h) is a typo, not a GPU
 
 
 class GpuCatalogError(ValueError):
@@ -140,11 +143,22 @@ def _lookup(gpus: dict[str, GpuSpec], name: str) -> GpuSpec | None:
 
 
 def _read_entries(path: Path) -> dict[str, dict]:
-    try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise GpuCatalogError(f"{path}: cannot read GPU file: {e}") from e
+    text = read_text(path)
+    if path.suffix == ".json":
+        raw = parse_json(text, path)
+    else:
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            # PyYAML's own message spans lines, with a caret drawing; keep the problem and line.
+            mark = getattr(e, "problem_mark", None)
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            line = mark.line + 1 if mark is not None else None
+            raise BadInputFile(path, f"not YAML: {problem}", line) from None
+        except RecursionError:
+            raise BadInputFile(path, "not YAML we read: nested too deeply") from None
+    if raw is None:
+        raise BadInputFile(path, "the file is empty")
     if isinstance(raw, dict) and "gpus" in raw:
         raw = raw["gpus"]
     if isinstance(raw, list):  # [{name: ..., field: ...}, ...]
@@ -191,6 +205,9 @@ def _validate(where: str, field: str, value: object) -> object:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise GpuCatalogError(f"{where}: field {field!r} must be a number, got {value!r}")
+    # YAML's .nan and .inf, and JSON's NaN and 1e400, are floats too.
+    if not math.isfinite(value) or not value <= MAX_FIELD:
+        raise GpuCatalogError(f"{where}: field {field!r} must be a finite number, got {value!r}")
     if value < 0 or (value == 0 and field != "price_per_hour"):
         raise GpuCatalogError(f"{where}: field {field!r} must be positive, got {value!r}")
     return float(value)

@@ -8,11 +8,14 @@ attention and a gated SiLU MLP; they differ only in qkv bias (Qwen2) and per-hea
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from workload.input_file import BadInputFile, read_json
+
+MAX_SHAPE = 2**31  # a config's shape numbers fit int32, as every framework stores them
 
 
 class ModelSpecError(ValueError):
@@ -133,36 +136,45 @@ def _normalize(name: str) -> str:
 
 
 def _read_config(path: Path) -> ModelSpec:
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ModelSpecError(f"{path} is not valid JSON: {e}") from e
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise BadInputFile(path, "expected a JSON object (a Hugging Face config.json)")
     return parse_config(raw, name=path.parent.name, source=str(path))
 
 
 def parse_config(raw: dict, name: str, source: str) -> ModelSpec:
     """The facts of a Hugging Face config.json (dict); multimodal configs nest them in
-    text_config."""
-    raw = raw.get("text_config") or raw
+    text_config. Shape numbers must be positive integers below MAX_SHAPE."""
+    text_config = raw.get("text_config")
+    if text_config is not None and not isinstance(text_config, dict):
+        raise ModelSpecError(f"{source}: text_config must be an object")
+    raw = text_config or raw
 
-    def need(key: str) -> int:
-        if not isinstance(raw.get(key), int):
-            raise ModelSpecError(f"{source}: missing or non-integer field {key!r}")
-        return raw[key]
+    def need(key: str, default: int | None = None) -> int:
+        value = raw.get(key) if raw.get(key) is not None else default
+        if value is None:
+            raise ModelSpecError(f"{source}: missing field {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < MAX_SHAPE:
+            raise ModelSpecError(
+                f"{source}: field {key!r} must be a positive integer below 2^31, not {value!r}"
+            )
+        return value
 
     hidden, heads = need("hidden_size"), need("num_attention_heads")
-    bias_default, qk_norm = _FAMILY_FLAGS.get(raw.get("model_type", ""), (False, False))
+    model_type = raw.get("model_type")
+    family = model_type if isinstance(model_type, str) else ""
+    bias_default, qk_norm = _FAMILY_FLAGS.get(family, (False, False))
     return ModelSpec(
         name=name,
         num_layers=need("num_hidden_layers"),
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
+        num_kv_heads=need("num_key_value_heads", heads),
+        head_dim=need("head_dim", hidden // heads),
         intermediate_size=need("intermediate_size"),
         vocab_size=need("vocab_size"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
+        max_position_embeddings=need("max_position_embeddings", 2048),
         qkv_bias=bool(raw.get("attention_bias", bias_default)),
         qk_norm=qk_norm,
         source=source,

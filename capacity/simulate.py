@@ -141,25 +141,22 @@ def _requests(
     sims, pending = [], []
     start = min((r.timestamp for r in trace), default=0.0)
     for index, record in enumerate(trace):
-        if record.input_length < 1 or record.output_length < 1:
-            raise ValueError(f"trace record {index}: input and output lengths must be >= 1")
-        if record.input_length + record.output_length > engine.max_model_len:
+        # A request generates at least one token: a recorded 0 is sent as 1, as replay sends it.
+        output = max(1, record.output_length)
+        if record.input_length < 1:
+            raise ValueError(f"trace record {index}: the input length must be >= 1")
+        if record.input_length + output > engine.max_model_len:
             raise ValueError(
-                f"trace record {index}: {record.input_length} + {record.output_length} tokens "
+                f"trace record {index}: {record.input_length} + {output} tokens "
                 f"exceed max_model_len {engine.max_model_len}"
             )
         arrival = 0.0 if batch else (record.timestamp - start) / 1000.0 / time_scale
         rid = str(index)
-        params = SamplingParams(max_tokens=record.output_length, ignore_eos=True, temperature=0)
+        params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0)
         request = Request(
-            rid,
-            prompt_token_ids(record, vocab),
-            params,
-            record.output_length,
-            arrival,
-            arrival_seq=index,
+            rid, prompt_token_ids(record, vocab), params, output, arrival, arrival_seq=index
         )
-        sims.append(SimRequest(rid, arrival, record.input_length, record.output_length))
+        sims.append(SimRequest(rid, arrival, record.input_length, output))
         pending.append((arrival, request))
     # Popped from the end: latest arrival first in the list; stable for equal times.
     pending.sort(key=lambda item: (-item[0], -item[1].arrival_seq))

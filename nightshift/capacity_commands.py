@@ -4,23 +4,22 @@ hardware for a workload."""
 from __future__ import annotations
 
 import json
+import math
 import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nightshift.cli_errors import fail, user_errors
+
 if TYPE_CHECKING:
     from capacity.model_specs import ModelSpec
+    from workload.trace import RecordCheck, TraceRecord
 
 capacity_app = typer.Typer(no_args_is_help=True, help="Memory, performance and cost planning.")
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "capacity" / "data" / "digest_sample.jsonl"
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(2)
 
 
 def _spec(model: str) -> ModelSpec:
@@ -30,7 +29,7 @@ def _spec(model: str) -> ModelSpec:
     try:
         return load_model_spec(resolve_model(model) if model == "default" else model)
     except (ModelSpecError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
 
 
 @capacity_app.command("calibrate")
@@ -52,22 +51,54 @@ def calibrate(
     from capacity.perf import model_costs
 
     spec = _spec(model)
-    try:
+    with user_errors():
         samples = load_samples(profile)
+    try:
         result = fit(samples, model_costs(spec, dtype), machine or _machine_name())
     except CalibrationError as exc:
-        raise _fail(str(exc)) from None
-    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+        raise fail(f"{profile}: {exc}") from None
     c = result.coefficients
+    if not all(map(math.isfinite, (c.k_compute, c.k_memory, c.t_step, c.t_row, result.rmse_s))):
+        raise fail(f"{profile}: the fit gave non-finite coefficients; the steps cannot be fitted")
+    _write(out, json.dumps(result.to_json(), indent=2, allow_nan=False) + "\n")
     typer.echo(
         f"{result.steps} steps of {profile} ({result.compute_bound_steps} compute-bound) on "
         f"{result.machine}:\n"
-        f"  {1 / c.k_compute / 1e9:.1f} GFLOP/s effective, {1 / c.k_memory / 1e9:.1f} GB/s "
+        f"  {_giga(c.k_compute)} GFLOP/s effective, {_giga(c.k_memory)} GB/s "
         f"effective, {c.t_step * 1000:.2f} ms per step, {c.t_row * 1000:.3f} ms per sampled row\n"
         f"  fit: RMSE {result.rmse_s * 1000:.2f} ms per step, mean |error| "
         f"{result.mean_abs_error_pct:.1f}%, total {result.total_error_pct:+.2f}%\n"
         f"wrote {out}"
     )
+
+
+def _giga(seconds_per_unit: float) -> str:
+    # A coefficient the fit fixed at 0 (no step bound by that ceiling) has no rate to show.
+    return f"{1 / seconds_per_unit / 1e9:.1f}" if seconds_per_unit > 0 else "-"
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise fail(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _fits(max_len: int, what: str) -> RecordCheck:
+    """A trace record must fit the context it is planned for (its output at least one token, as
+    replay and the simulation send it)."""
+
+    def check(record: TraceRecord) -> str | None:
+        total = record.input_length + max(1, record.output_length)
+        if total <= max_len:
+            return None
+        return (
+            f"input_length {record.input_length} + output_length {record.output_length} = "
+            f"{total} tokens, more than {what} of {max_len}"
+        )
+
+    return check
 
 
 def _machine_name() -> str:
@@ -105,26 +136,30 @@ def report(
     ),
 ) -> None:
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
-    from capacity.calibrate import Calibration
+    from capacity.calibrate import load_calibration
     from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
     from capacity.planner import PlanSettings
     from capacity.report import build_report, render
     from workload.synth import SynthError, synth_trace
-    from workload.trace import TraceError, read_trace
+    from workload.trace import read_trace
 
     spec = _spec(model)
-    try:
+    fits = _fits(spec.max_position_embeddings, f"{spec.name}'s context")
+    path = trace or DEFAULT_TRACE
+    with user_errors(GpuCatalogError, SynthError):
         catalogue = load_gpus(gpu_file)
         chosen = [find_gpu(name.strip(), catalogue) for name in gpus.split(",") if name.strip()]
-        source = read_trace(trace or DEFAULT_TRACE)
+        cal = load_calibration(calibration) if calibration else None
+        source = read_trace(path, fits)
         note = f"trace {trace}" if trace else f"the bundled digest sample ({DEFAULT_TRACE.name})"
         if papers is not None:
             source, how = synth_trace(source, papers, seed=seed)
             note = f"{how}, from {note}"
-    except (GpuCatalogError, TraceError, SynthError) as exc:
-        raise _fail(str(exc)) from None
     if not source:
-        raise _fail("the workload has no requests")
+        raise fail(f"{path}: the workload has no requests")
+    # Drawn papers combine recorded lengths: an input and an output that each fit may not together.
+    if papers is not None and (problem := next(filter(None, map(fits, source)), None)):
+        raise fail(f"a paper drawn from {path}: {problem}; try another --seed")
     settings = PlanSettings(
         dtype=dtype,
         max_num_seqs=max_num_seqs,
@@ -133,29 +168,33 @@ def report(
         deadline_s=_seconds(deadline) if deadline else None,
         **_prices(api_price_per_mtok),
     )
-    cal = Calibration.from_json(json.loads(calibration.read_text())) if calibration else None
     result = build_report(spec, source, note, chosen, _ints(tp, "--tp"), settings, cal)
-    for path in render(result, out):
-        typer.echo(f"wrote {path}")
+    try:
+        written = render(result, out)
+    except OSError as exc:
+        raise fail(f"cannot write {out}: {exc.strerror or exc}") from None
+    for name in written:
+        typer.echo(f"wrote {name}")
 
 
 def _seconds(text: str) -> float:
     units = {"h": 3600, "m": 60, "s": 1}
     try:
-        if text[-1] in units:
-            return float(text[:-1]) * units[text[-1]]
-        return float(text)
+        seconds = float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
     except (ValueError, IndexError):
-        raise _fail(f"--deadline must look like 2h, 90m or 3600s, not {text!r}") from None
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise fail(f"--deadline must look like 2h, 90m or 3600s, not {text!r}")
+    return seconds
 
 
 def _ints(text: str, option: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise _fail(f"{option} must be comma-separated integers, not {text!r}") from None
+        raise fail(f"{option} must be comma-separated integers, not {text!r}") from None
     if not values or min(values) < 1:
-        raise _fail(f"{option} must name positive integers")
+        raise fail(f"{option} must name positive integers")
     return values
 
 
@@ -165,7 +204,7 @@ def _prices(text: str | None) -> dict:
     try:
         price_in, price_out = (float(part) for part in text.split(","))
     except ValueError:
-        raise _fail(f"--api-price-per-mtok must be IN,OUT (USD), not {text!r}") from None
+        raise fail(f"--api-price-per-mtok must be IN,OUT (USD), not {text!r}") from None
     return {"api_price_in": price_in, "api_price_out": price_out}
 
 
@@ -185,17 +224,25 @@ def validate(
 ) -> None:
     """Calibrate on one trace's replay, predict another's, replay it, print the errors."""
     from capacity.validate import ValidationSettings, run_validation
-    from workload.trace import TraceError, read_trace
+    from workload.trace import read_trace
 
-    try:
-        train_records, test_records = read_trace(train), read_trace(test)
-    except TraceError as exc:
-        raise _fail(str(exc)) from None
+    if min(num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
+        raise fail(
+            "--num-kv-blocks, --max-num-seqs, --max-num-batched-tokens and --max-model-len "
+            "must be at least 1"
+        )
+    # Checked before a server starts: the simulation refuses a record past max_model_len.
+    fits = _fits(max_model_len, "--max-model-len")
+    with user_errors():
+        train_records, test_records = read_trace(train, fits), read_trace(test, fits)
+    for path, records in ((train, train_records), (test, test_records)):
+        if not records:
+            raise fail(f"{path}: the trace has no requests")
     settings = ValidationSettings(
         model, num_kv_blocks, 16, max_num_seqs, max_num_batched_tokens, max_model_len
     )
     result = run_validation(train_records, test_records, settings, workdir, _machine_name())
-    out.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    _write(out, json.dumps(result.to_json(), indent=2) + "\n")
     cal = result.calibration
     typer.echo(
         f"calibrated on {train} ({cal.steps} steps, mean step error "

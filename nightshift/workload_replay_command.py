@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nightshift.cli_errors import fail, user_errors
 from nightshift.workload_commands import workload_app
 
 if TYPE_CHECKING:
     from workload.metrics import RequestRecord
     from workload.replay import PromptFn
+    from workload.trace import RecordCheck, TraceRecord
 
 log = logging.getLogger("nightshift")
 
@@ -40,9 +42,10 @@ class PromptModeChoice(StrEnum):
     text = "text"
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code)
+# The longest prompt replayed unless told: a prompt is built in memory (ids, then JSON) before
+# it is sent, so a corrupt input_length must not size it. 2^20 tokens is past every common
+# model's context (Mooncake's longest is 191k).
+MAX_INPUT_LENGTH = 1 << 20
 
 
 @workload_app.command("replay")
@@ -97,28 +100,32 @@ def replay_command(
         int, typer.Option(help="Tokens per hash_id block, as the trace was written.")
     ] = 512,
     plots: Annotated[Path | None, typer.Option(help="Write PNG plots into this folder.")] = None,
+    max_input_length: Annotated[
+        int, typer.Option(help="Refuse a trace with a longer prompt (before sending anything).")
+    ] = MAX_INPUT_LENGTH,
 ) -> None:
     """Replay a trace against a server: exact prompt and output lengths, streamed and timed."""
     from workload.metrics import parse_slo
-    from workload.prompt_tokens import check_block_size
     from workload.replay import ReplayConfig, replay
-    from workload.trace import TraceError, read_trace
+    from workload.trace import read_trace
 
+    if block_size < 1:
+        raise fail("--block-size must be at least 1")
+    if max_input_length < 1:
+        raise fail("--max-input-length must be at least 1")
     try:
-        records = read_trace(trace)
         slo_ms = parse_slo(slo) if slo else None
-        if block_size < 1:
-            raise ValueError("--block-size must be at least 1")
-        check_block_size(records, block_size)
-    except (TraceError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    with user_errors():
+        records = read_trace(trace, _record_check(block_size, max_input_length))
     if not records:
-        raise _fail(f"{trace}: no records")
+        raise fail(f"{trace}: no records")
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
         if not api_key:
-            raise _fail(f"the environment variable {api_key_env} is not set")
+            raise fail(f"the environment variable {api_key_env} is not set")
     config = ReplayConfig(
         base_url=base_url,
         model=model,
@@ -139,19 +146,23 @@ def replay_command(
         config.check()
         prompt_fn = _prompt_fn(prompt_mode.value, tokenizer, seed, block_size)
     except ValueError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     total = min(len(records), max_requests) if max_requests is not None else len(records)
     extra = {
         "trace": str(trace),
         "prompt_mode": prompt_mode.value,
         "tokenizer": str(tokenizer) if tokenizer else None,
         "block_size": block_size,
+        "max_input_length": max_input_length,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     with _Progress(total) as on_done:
         result = replay(records, config, prompt_fn, on_done, extra_config=extra)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=1) + "\n")
+    except OSError as exc:
+        raise fail(f"cannot write {output}: {exc.strerror or exc}") from None
     if plots is not None:
         from workload.replay_plots import plot_replay
 
@@ -161,6 +172,22 @@ def replay_command(
     typer.echo(f"result: {output}")
     if result["summary"]["requests"]["completed"] == 0:
         raise typer.Exit(1)
+
+
+def _record_check(block_size: int, max_input_length: int) -> RecordCheck:
+    """What a record must satisfy to be replayed, checked as the trace is read: nothing is sent
+    and no prompt is built for a trace with a bad record."""
+    from workload.prompt_tokens import block_size_problem
+
+    def check(record: TraceRecord) -> str | None:
+        if record.input_length > max_input_length:
+            return (
+                f"input_length {record.input_length} is longer than --max-input-length "
+                f"{max_input_length}"
+            )
+        return block_size_problem(record, block_size)
+
+    return check
 
 
 def _prompt_fn(prompt_mode: str, tokenizer: Path | None, seed: int, block: int) -> PromptFn:

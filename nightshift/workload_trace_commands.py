@@ -8,21 +8,18 @@ from __future__ import annotations
 import json
 from datetime import date
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nightshift.cli_errors import fail, user_errors
 from nightshift.workload_commands import workload_app
 
-EXIT_USAGE = 2
+if TYPE_CHECKING:
+    from workload.trace import RecordCheck
 
 OutOpt = Annotated[Path, typer.Option("--output", "-o", help="The trace to write (JSONL).")]
 BlockOpt = Annotated[int, typer.Option(help="Tokens per hash_ids block (Mooncake's is 512).")]
-
-
-def _fail(message: str) -> typer.Exit:
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(EXIT_USAGE)
 
 
 def _since(value: str | None) -> date | None:
@@ -31,7 +28,7 @@ def _since(value: str | None) -> date | None:
     try:
         return date.fromisoformat(value)
     except ValueError:
-        raise _fail(f"--since must be YYYY-MM-DD, not {value!r}") from None
+        raise fail(f"--since must be YYYY-MM-DD, not {value!r}") from None
 
 
 def _runs(value: str | None) -> set[int] | None:
@@ -40,7 +37,7 @@ def _runs(value: str | None) -> set[int] | None:
     try:
         return {int(part) for part in value.split(",") if part.strip()}
     except ValueError:
-        raise _fail(f"--runs must be run ids separated by commas, not {value!r}") from None
+        raise fail(f"--runs must be run ids separated by commas, not {value!r}") from None
 
 
 def _write(path: Path, records: list) -> int:
@@ -49,18 +46,16 @@ def _write(path: Path, records: list) -> int:
     try:
         return write_trace(path, records)
     except OSError as exc:
-        raise _fail(f"cannot write {path}: {exc.strerror or exc}") from None
+        raise fail(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
-def _read(path: Path) -> list:
-    from workload.trace import TraceError, read_trace
+def _read(path: Path, check: RecordCheck | None = None) -> list:
+    from workload.trace import read_trace
 
-    try:
-        records = read_trace(path)
-    except TraceError as exc:
-        raise _fail(str(exc)) from None
+    with user_errors():
+        records = read_trace(path, check)
     if not records:
-        raise _fail(f"{path}: the trace has no requests")
+        raise fail(f"{path}: the trace has no requests")
     return records
 
 
@@ -83,13 +78,13 @@ def export(
 
     day, run_ids = _since(since), _runs(runs)
     if block_size < 1:
-        raise _fail("--block-size must be at least 1")
+        raise fail("--block-size must be at least 1")
     try:
         calls = load_calls(db or default_database_url(), day, run_ids)
     except ExportError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     if not calls:
-        raise _fail("no successful model calls to export (check --db, --since and --runs)")
+        raise fail("no successful model calls to export (check --db, --since and --runs)")
     count = _write(output, export_trace(calls, block_size))
     typer.echo(f"{count} calls -> {output}", err=True)
     typer.echo(output)
@@ -108,15 +103,14 @@ def import_(
     ] = None,
 ) -> None:
     """Convert a public trace into ours."""
-    from workload.importers import import_trace
-    from workload.trace import TraceError
+    from workload.importers import FORMATS, import_trace
 
+    if fmt not in ("auto", *FORMATS):
+        raise fail(f"unknown format {fmt!r}; use auto, {', '.join(FORMATS)}")
     if block_size is not None and block_size < 1:
-        raise _fail("--block-size must be at least 1")
-    try:
+        raise fail("--block-size must be at least 1")
+    with user_errors():
         records = import_trace(file, fmt, block_size)
-    except TraceError as exc:
-        raise _fail(str(exc)) from None
     count = _write(output, records)
     typer.echo(f"{count} requests -> {output}", err=True)
     typer.echo(output)
@@ -141,14 +135,14 @@ def stats(
             json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(json.dumps(numbers.to_json(), indent=2) + "\n")
         except OSError as exc:
-            raise _fail(f"cannot write {json_out}: {exc.strerror or exc}") from None
+            raise fail(f"cannot write {json_out}: {exc.strerror or exc}") from None
     if plots is not None:
         from workload.plots import plot_lengths
 
         try:
             paths = plot_lengths(records, plots, title=trace.stem)
         except OSError as exc:
-            raise _fail(f"cannot write plots into {plots}: {exc.strerror or exc}") from None
+            raise fail(f"cannot write plots into {plots}: {exc.strerror or exc}") from None
         for path in paths:
             typer.echo(f"plot: {path}", err=True)
 
@@ -165,13 +159,15 @@ def synth(
     block_size: Annotated[int, typer.Option(help="The source's block size.")] = 512,
 ) -> None:
     """A trace of N papers drawn from a recorded one ("what if the column doubles")."""
-    from workload.synth import SynthError, synth_trace
+    from workload.synth import SynthError, block_size_problem, synth_trace
 
-    source = _read(like)
+    if block_size < 1:
+        raise fail("--block-size must be at least 1")
+    source = _read(like, lambda record: block_size_problem(record, block_size))
     try:
         records, note = synth_trace(source, papers, seed, rate, block_size)
     except SynthError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     count = _write(output, records)
     typer.echo(f"{note}: {count} requests -> {output}", err=True)
     typer.echo(output)

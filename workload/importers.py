@@ -18,7 +18,8 @@ import math
 from datetime import datetime
 from pathlib import Path
 
-from workload.trace import BLOCK_TOKENS, TraceError, TraceRecord, read_trace
+from workload.input_file import BadInputFile, text_lines
+from workload.trace import BLOCK_TOKENS, MAX_TOKENS, TraceRecord, read_trace
 
 FORMATS = ("azure", "mooncake", "lengths")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -37,44 +38,41 @@ def detect_format(path: Path) -> str:
         return "azure"
     if _column(header, INPUT_COLUMNS) is not None and _column(header, OUTPUT_COLUMNS) is not None:
         return "lengths"
-    raise TraceError(
-        f"{path}:1: cannot tell the format from the header {first[:80]!r}; "
-        f"pass --format ({', '.join(FORMATS)})"
+    raise BadInputFile(
+        path,
+        f"cannot tell the format from the header {first[:80]!r}; pass --format "
+        f"({', '.join(FORMATS)})",
+        1,
     )
 
 
 def import_trace(path: Path, fmt: str = "auto", block_size: int | None = None) -> list[TraceRecord]:
-    """The file's requests as trace records; TraceError names the file, line and column."""
+    """The file's requests as trace records; BadInputFile names the file, line and column, a
+    ValueError an unknown format."""
     path = Path(path)
     if fmt == "auto":
         fmt = detect_format(path)
     if fmt == "mooncake":
         if block_size not in (None, MOONCAKE_BLOCK_TOKENS):
-            raise TraceError(f"{path}: Mooncake hash_ids are 512-token blocks; drop --block-size")
+            raise BadInputFile(path, "Mooncake hash_ids are 512-token blocks; drop --block-size")
         records = _mooncake(path)
     elif fmt == "azure":
         records = _azure(path, block_size or BLOCK_TOKENS)
     elif fmt == "lengths":
         records = _lengths(path, block_size or BLOCK_TOKENS)
     else:
-        raise TraceError(f"unknown format {fmt!r}; use auto, {', '.join(FORMATS)}")
+        raise ValueError(f"unknown format {fmt!r}; use auto, {', '.join(FORMATS)}")
     if not records:
-        raise TraceError(f"{path}: no requests in the file")
+        raise BadInputFile(path, "no requests in the file")
     records.sort(key=lambda r: r.timestamp)
     return records
 
 
 def _first_line(path: Path) -> str:
-    try:
-        with open(path, newline="") as f:
-            for line in f:
-                if line.strip():
-                    return line.strip()
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except UnicodeDecodeError:
-        raise TraceError(f"{path}: not a text file") from None
-    raise TraceError(f"{path}: the file is empty")
+    for _, line in text_lines(path):
+        if line.strip():
+            return line.strip()
+    raise BadInputFile(path, "the file is empty")
 
 
 def _column(header: list[str], names: tuple[str, ...]) -> str | None:
@@ -83,45 +81,56 @@ def _column(header: list[str], names: tuple[str, ...]) -> str | None:
 
 def _rows(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
     """The header and (line number, row) pairs of a CSV file."""
+    reader = csv.reader(line for _, line in text_lines(path))
     try:
-        with open(path, newline="") as f:
-            reader = csv.reader(f)
-            header = [name.strip() for name in next(reader, [])]
-            rows = []
-            for fields in reader:
-                if not any(field.strip() for field in fields):
-                    continue
-                where = f"{path}:{reader.line_num}"
-                if len(fields) != len(header):
-                    raise TraceError(
-                        f"{where}: expected {len(header)} columns ({','.join(header)}), "
-                        f"found {len(fields)}"
-                    )
-                rows.append((reader.line_num, dict(zip(header, fields))))
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise TraceError(f"{path}: not a readable CSV file ({exc})") from None
+        header = [name.strip() for name in next(reader, [])]
+        if not any(header):
+            raise BadInputFile(path, "the file is empty or its first line is blank")
+        rows = []
+        for fields in reader:
+            if not any(field.strip() for field in fields):
+                continue
+            if len(fields) != len(header):
+                raise BadInputFile(
+                    path,
+                    f"expected {len(header)} columns ({','.join(header)}), found {len(fields)}",
+                    reader.line_num,
+                )
+            rows.append((reader.line_num, dict(zip(header, fields))))
+    except csv.Error as exc:
+        raise BadInputFile(path, f"not a readable CSV file ({exc})", reader.line_num) from None
     return header, rows
 
 
-def _count(row: dict[str, str], column: str, where: str) -> int:
+def _count(row: dict[str, str], column: str, path: Path, line: int, low: int = 0) -> int:
+    """A token count from low to MAX_TOKENS (trace.py's bound), in ASCII digits: str.isdigit()
+    also takes digits such as '²' that int() refuses, and a length of 10^20 would be 10^20 / block
+    size fresh block ids."""
     text = row[column].strip()
-    if not text.isdigit():
-        raise TraceError(f"{where}: column {column!r}: expected a token count, found {text!r}")
+    digits = text.isascii() and text.isdigit() and len(text) <= 20
+    if not digits or not low <= int(text) <= MAX_TOKENS:
+        raise BadInputFile(
+            path,
+            f"column {column!r}: expected a token count, found {text[:40]!r} "
+            f"(a whole number from {low} to {MAX_TOKENS})",
+            line,
+        )
     return int(text)
 
 
-def _nanoseconds(text: str, where: str) -> int:
+def _nanoseconds(text: str, path: Path, line: int) -> int:
     """`2023-11-16 18:15:46.6805900` as integer ns (of a naive clock; only differences count)."""
     main, _, fraction = text.strip().partition(".")
     try:
         whole = datetime.strptime(main, "%Y-%m-%d %H:%M:%S")
     except ValueError:
         whole = None
-    if whole is None or not (fraction.isdigit() or fraction == "") or len(fraction) > 9:
-        raise TraceError(
-            f"{where}: column 'TIMESTAMP': expected YYYY-MM-DD HH:MM:SS.fffffff, found {text!r}"
+    digits = fraction == "" or (fraction.isascii() and fraction.isdigit() and len(fraction) <= 9)
+    if whole is None or not digits:
+        raise BadInputFile(
+            path,
+            f"column 'TIMESTAMP': expected YYYY-MM-DD HH:MM:SS.fffffff, found {text[:40]!r}",
+            line,
         )
     return calendar.timegm(whole.timetuple()) * 10**9 + int(fraction.ljust(9, "0"))
 
@@ -134,15 +143,14 @@ def _azure(path: Path, block_size: int) -> list[TraceRecord]:
     header, rows = _rows(path)
     missing = [name for name in AZURE_COLUMNS if name not in header]
     if missing:
-        raise TraceError(f"{path}:1: not an Azure trace: no column {missing[0]!r}")
+        raise BadInputFile(path, f"not an Azure trace: no column {missing[0]!r}", 1)
     parsed = []
     for line, row in rows:
-        where = f"{path}:{line}"
         parsed.append(
             (
-                _nanoseconds(row["TIMESTAMP"], where),
-                _count(row, "ContextTokens", where),
-                _count(row, "GeneratedTokens", where),
+                _nanoseconds(row["TIMESTAMP"], path, line),
+                _count(row, "ContextTokens", path, line, low=1),
+                _count(row, "GeneratedTokens", path, line),
             )
         )
     origin = min((ns for ns, _, _ in parsed), default=0)
@@ -158,14 +166,16 @@ def _lengths(path: Path, block_size: int) -> list[TraceRecord]:
     header, rows = _rows(path)
     inputs, outputs = _column(header, INPUT_COLUMNS), _column(header, OUTPUT_COLUMNS)
     if inputs is None or outputs is None:
-        raise TraceError(
-            f"{path}:1: a lengths CSV needs an input column ({', '.join(INPUT_COLUMNS)}) "
-            f"and an output column ({', '.join(OUTPUT_COLUMNS)})"
+        raise BadInputFile(
+            path,
+            f"a lengths CSV needs an input column ({', '.join(INPUT_COLUMNS)}) "
+            f"and an output column ({', '.join(OUTPUT_COLUMNS)})",
+            1,
         )
     records, next_id = [], 0
     for line, row in rows:
-        where = f"{path}:{line}"
-        prompt, output = _count(row, inputs, where), _count(row, outputs, where)
+        prompt = _count(row, inputs, path, line, low=1)
+        output = _count(row, outputs, path, line)
         blocks = _fresh_blocks(next_id, prompt, block_size)
         next_id += len(blocks)
         records.append(TraceRecord(0.0, prompt, output, blocks, source="lengths"))

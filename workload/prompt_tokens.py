@@ -50,19 +50,30 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"cannot load a tokenizer from {path}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001
+        # A malformed folder fails in transformers or the Rust tokenizers in any way (KeyError,
+        # TypeError, a bare Exception): for a user all of them mean "not a tokenizer".
+        problem = (str(exc).splitlines() or [""])[0]
+        if not isinstance(exc, OSError | ValueError):
+            problem = f"{type(exc).__name__}: {problem}"
+        raise ValueError(f"cannot load a tokenizer from {path}: {problem}") from None
+
+
+def block_size_problem(r: TraceRecord, block_tokens: int) -> str | None:
+    """A record with more hash_ids than ceil(input_length / block_tokens) was written with a
+    smaller block size: replaying it at this one would share far more than it says."""
+    if len(r.hash_ids) > math.ceil(r.input_length / block_tokens):
+        return (
+            f"{len(r.hash_ids)} hash_ids for {r.input_length} tokens do not fit "
+            f"{block_tokens}-token blocks; pass the trace's --block-size"
+        )
+    return None
 
 
 def check_block_size(records: Sequence[TraceRecord], block_tokens: int) -> None:
-    """A record with more hash_ids than ceil(input_length / block_tokens) was written with a
-    smaller block size: replaying it at this one would share far more than it says."""
     for i, r in enumerate(records):
-        if len(r.hash_ids) > math.ceil(r.input_length / block_tokens):
-            raise ValueError(
-                f"record {i}: {len(r.hash_ids)} hash_ids for {r.input_length} tokens do not fit "
-                f"{block_tokens}-token blocks; pass the trace's --block-size"
-            )
+        if problem := block_size_problem(r, block_tokens):
+            raise ValueError(f"record {i}: {problem}")
 
 
 class _Blocks:

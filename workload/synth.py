@@ -52,13 +52,20 @@ def common_prefix(lists: Sequence[list[int]]) -> int:
     return n
 
 
+def block_size_problem(r: TraceRecord, block_size: int) -> str | None:
+    """Why a source record's hash_ids are not blocks of block_size tokens, or None."""
+    if r.hash_ids and len(r.hash_ids) != math.ceil(r.input_length / block_size):
+        return (
+            f"{len(r.hash_ids)} hash_ids for {r.input_length} tokens is not "
+            f"{block_size}-token blocks; pass the source's --block-size"
+        )
+    return None
+
+
 def check_block_size(records: Sequence[TraceRecord], block_size: int) -> None:
     for number, r in enumerate(records, 1):
-        if r.hash_ids and len(r.hash_ids) != math.ceil(r.input_length / block_size):
-            raise SynthError(
-                f"record {number}: {len(r.hash_ids)} hash_ids for {r.input_length} tokens is not "
-                f"{block_size}-token blocks; pass the source's --block-size"
-            )
+        if problem := block_size_problem(r, block_size):
+            raise SynthError(f"record {number}: {problem}")
 
 
 def _task_shift(loose: Sequence[TraceRecord], anchor: str, kind: str) -> int | None:
@@ -142,8 +149,10 @@ def _lognormal_papers(
             if fit is None:  # one value or no spread: repeat it
                 sides.append(np.full(count, max(1, int(statistics.median(values)))))
             else:
+                # Clipped to the longest recorded length: the fit's tail is not data, and an
+                # unbounded draw could ask for more tokens than any model's context.
                 drawn = rng.lognormal(fit.mu, fit.sigma, size=count)
-                sides.append(np.maximum(1, np.rint(drawn)).astype(int))
+                sides.append(np.clip(np.rint(drawn), 1, max(values)).astype(int))
         draws[kind] = sides
     return [[(int(draws[k][0][i]), int(draws[k][1][i])) for k in kinds] for i in range(count)]
 
@@ -223,7 +232,7 @@ def synth_trace(
     """The synthetic records (by timestamp) and a line saying how they were drawn."""
     if papers < 1:
         raise SynthError("--papers must be at least 1")
-    if rate is not None and rate <= 0:
+    if rate is not None and not (0 < rate < math.inf):
         raise SynthError("--rate must be positive (papers per second)")
     if not source:
         raise SynthError("the source trace has no requests")

@@ -11,15 +11,22 @@ prefix."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workload.input_file import BadInputFile, Fields, parse_json, text_lines
+
 BLOCK_TOKENS = 512  # Mooncake's block size for hash_ids
 
+# Bounds of a record's numbers (docs/WORKLOAD.md, "Trace format"). Beyond them a value is a
+# corrupt record, not a workload: no model has a context of ten million tokens, and 2**53 ms
+# (285,000 years) is where float milliseconds stop being exact.
+MAX_TOKENS = 10_000_000
+MAX_TIMESTAMP_MS = 2**53
+HASH_ID_RANGE = (-(2**63), 2**63 - 1)  # 64-bit ids, as Mooncake's and ours are
 
-class TraceError(ValueError):
-    """A trace file or record that is not valid; the message names the file, line and field."""
+RecordCheck = Callable[["TraceRecord"], str | None]  # a problem with a record, or None
 
 
 @dataclass(slots=True)
@@ -46,65 +53,49 @@ class TraceRecord:
         return data
 
 
-def _record(data: object, where: str) -> TraceRecord:
-    if not isinstance(data, dict):
-        raise TraceError(f"{where}: expected a JSON object")
-    for key in ("timestamp", "input_length", "output_length"):
-        if key not in data:
-            raise TraceError(f"{where}: missing {key!r}")
-    ints = {k: data[k] for k in ("input_length", "output_length")}
-    for key, value in ints.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise TraceError(f"{where}: {key!r} must be a non-negative integer, not {value!r}")
-    stamp = data["timestamp"]
-    if not isinstance(stamp, int | float) or isinstance(stamp, bool) or stamp < 0:
-        raise TraceError(f"{where}: 'timestamp' must be non-negative milliseconds, not {stamp!r}")
-    hash_ids = data.get("hash_ids", [])
-    if not isinstance(hash_ids, list) or not all(isinstance(h, int) for h in hash_ids):
-        raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
-    cached = data.get("cached_tokens")
-    if cached is not None and (not isinstance(cached, int) or cached < 0):
-        raise TraceError(f"{where}: 'cached_tokens' must be a non-negative integer")
+def parse_record(fields: Fields) -> TraceRecord:
+    """A record from its JSON object, every field checked (the bounds above)."""
     return TraceRecord(
-        timestamp=float(stamp),
-        input_length=ints["input_length"],
-        output_length=ints["output_length"],
-        hash_ids=hash_ids,
-        kind=data.get("kind"),
-        cached_tokens=cached,
-        model=data.get("model"),
-        source=data.get("source"),
+        timestamp=fields.number("timestamp", 0, MAX_TIMESTAMP_MS),
+        input_length=fields.integer("input_length", 1, MAX_TOKENS),
+        output_length=fields.integer("output_length", 0, MAX_TOKENS),
+        hash_ids=fields.integers("hash_ids", *HASH_ID_RANGE),
+        kind=fields.text("kind", None),
+        cached_tokens=fields.integer("cached_tokens", 0, MAX_TOKENS, None),
+        model=fields.text("model", None),
+        source=fields.text("source", None),
     )
 
 
-def read_trace(path: Path) -> list[TraceRecord]:
-    """Records in file order; a bad line raises TraceError naming it."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+def read_trace(path: Path, check: RecordCheck | None = None) -> list[TraceRecord]:
+    """Records in file order. A bad line raises BadInputFile naming the file and the line, as does
+    a record for which `check` (a command's own rule, such as a context length) names a problem."""
     records = []
-    for number, line in enumerate(lines, 1):
+    for number, line in text_lines(path):
         if not line.strip():
             continue
-        where = f"{path}:{number}"
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"{where}: not JSON ({exc.msg})") from None
-        records.append(_record(data, where))
+        data = parse_json(line.rstrip("\r\n"), path, number)
+        record = parse_record(Fields.of(data, path, number))
+        if check is not None and (problem := check(record)):
+            raise BadInputFile(path, problem, number)
+        records.append(record)
     return records
 
 
 def write_trace(path: Path, records: Iterable[TraceRecord]) -> int:
-    """Write records as JSONL (atomically); returns how many."""
+    """Write records as JSONL (atomically); returns how many. Never NaN or Infinity, which are
+    not JSON: a record holding one is a bug upstream, refused here (ValueError)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     count = 0
-    with tmp.open("w") as f:
-        for record in records:
-            f.write(json.dumps(record.to_json()) + "\n")
-            count += 1
+    try:
+        with tmp.open("w") as f:
+            for record in records:
+                f.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
+                count += 1
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
     return count

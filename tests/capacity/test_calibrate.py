@@ -9,6 +9,7 @@ import pytest
 
 from capacity.calibrate import CalibrationError, Sample, fit, load_samples
 from capacity.perf import ModelCosts, PerfCoefficients, PerfModel, StepShape
+from workload.input_file import BadInputFile
 
 COSTS = ModelCosts(
     layer_params=106_000_000,
@@ -89,16 +90,22 @@ def test_profile_file_cycle_times_include_the_serving_gap(tmp_path):
 
 
 def test_bad_profiles_name_the_problem(tmp_path):
-    with pytest.raises(CalibrationError, match="cannot read"):
+    with pytest.raises(BadInputFile, match="cannot read"):
         load_samples(tmp_path / "missing.jsonl")
+    good = '{"step": 0, "wall_s": 0.1, "num_batched_tokens": 1, "sampled_requests": 1, '
+    good += '"attention_pairs": 1, "context_tokens": 1}'
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"step": 0}\nnot json\n')
-    with pytest.raises(CalibrationError, match="bad.jsonl:2: not JSON"):
+    bad.write_text(good + "\nnot json\n")
+    with pytest.raises(BadInputFile, match="bad.jsonl:2: not JSON"):
         load_samples(bad)
     old = tmp_path / "old.jsonl"
     old.write_text('{"step": 0, "wall_s": 0.1, "num_batched_tokens": 1}\n')
-    with pytest.raises(CalibrationError, match="lacks"):
+    with pytest.raises(BadInputFile, match="old.jsonl:1: the step lacks"):
         load_samples(old)
+    nan = tmp_path / "nan.jsonl"
+    nan.write_text(good + "\n" + good.replace("0.1", "NaN") + "\n")
+    with pytest.raises(BadInputFile, match="nan.jsonl:2: wall_s is NaN"):
+        load_samples(nan)
     with pytest.raises(CalibrationError, match="too few"):
         fit([Sample(StepShape(1, 1, 1, 1), 0.1)], COSTS)
 
@@ -151,3 +158,28 @@ def test_calibrate_command_writes_a_calibration(tmp_path):
         ["capacity", "calibrate", str(tmp_path / "nope.jsonl"), "--model", "SmolLM2-135M-Instruct"],
     )
     assert bad.exit_code == 2 and "cannot read" in bad.output
+
+
+def test_calibrate_command_with_no_compute_bound_step(tmp_path):
+    # Small decode steps only: the fit fixes k_compute at 0, which has no GFLOP/s to print.
+    from typer.testing import CliRunner
+
+    from nightshift.cli import app
+
+    lines = [
+        {
+            "step": i,
+            "wall_s": 0.01 + 0.0001 * i,
+            "num_batched_tokens": 2,
+            "sampled_requests": 2,
+            "attention_pairs": 100,
+            "context_tokens": 100 + i,
+        }
+        for i in range(20)
+    ]
+    profile = tmp_path / "steps.jsonl"
+    profile.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    args = ["capacity", "calibrate", str(profile), "--model", "SmolLM2-135M-Instruct"]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "cal.json")])
+    assert result.exit_code == 0, result.output
+    assert "(0 compute-bound)" in result.output and "- GFLOP/s effective" in result.output

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from capacity.gpus import CATALOGUE, GIB, GpuCatalogError, find_gpu, load_gpus
+from workload.input_file import BadInputFile
 
 
 def test_catalogue_holds_the_eight_gpus():
@@ -84,11 +85,13 @@ def test_user_json_list(tmp_path):
         ("L4: 24", "GPU 'L4': expected a mapping of fields"),
         ("- {memory_gib: 24}", "every GPU in the list needs a 'name'"),
         ("just text", "expected a mapping of GPU name"),
-        ("L4: {memory_gib: [24", "cannot read GPU file"),
+        ("L4: {memory_gib: .nan}", "GPU 'L4': field 'memory_gib' must be a finite number"),
+        ("L4: {memory_gib: [24", "gpus.yaml:1: not YAML"),
     ],
 )  # fmt: skip
 def test_bad_user_file(tmp_path, text, message):
     path = tmp_path / "gpus.yaml"
     path.write_text(text)
-    with pytest.raises(GpuCatalogError, match=message):
+    # A file that is not YAML is a BadInputFile; one whose fields are wrong, a GpuCatalogError.
+    with pytest.raises((GpuCatalogError, BadInputFile), match=message):
         load_gpus(path)

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from nightshift.cli import app
 from workload.importers import detect_format, import_trace
-from workload.trace import TraceError, TraceRecord, read_trace
+from workload.trace import TraceRecord, read_trace
 
 FIXTURES = Path(__file__).parent / "fixtures"
 runner = CliRunner()
@@ -105,14 +105,14 @@ def test_detect_format():
 def test_bad_files_name_file_line_and_column(tmp_path, text, fmt, message):
     path = tmp_path / "bad.txt"
     path.write_text(text)
-    with pytest.raises(TraceError) as excinfo:
+    with pytest.raises(ValueError) as excinfo:
         import_trace(path, fmt)
     assert message in str(excinfo.value)
     assert str(excinfo.value).startswith(str(path) if "bad.txt" in message else "unknown")
 
 
 def test_mooncake_refuses_another_block_size():
-    with pytest.raises(TraceError, match="512-token blocks"):
+    with pytest.raises(ValueError, match="512-token blocks"):
         import_trace(FIXTURES / "mooncake.jsonl", block_size=16)
 
 

@@ -96,7 +96,7 @@ def test_cli_bad_trace(tmp_path):
     trace.write_text('{"timestamp": 0, "input_length": -1, "output_length": 1}\n')
     result = runner.invoke(app, ["workload", "stats", str(trace)])
     assert result.exit_code == 2
-    assert result.output.startswith(f"error: {trace}:1: 'input_length' must be")
+    assert result.output.startswith(f"error: {trace}:1: input_length must be an integer from 1")
     trace.write_text("\n")
     assert (
         "the trace has no requests" in runner.invoke(app, ["workload", "stats", str(trace)]).output

@@ -162,4 +162,4 @@ def test_cli(tmp_path):
     assert result.exit_code == 0, result.output
     assert len(read_trace(out)) == 14
     bad = runner.invoke(app, args)
-    assert bad.exit_code == 2 and bad.output.startswith("error: record 1:")
+    assert bad.exit_code == 2 and bad.output.startswith(f"error: {like}:1: ")
