@@ -230,9 +230,11 @@ def _run_with_progress(options: RunOptions) -> RunReport:
 
 def _guarded(action: Callable[[], T]) -> T:
     """Run `action`, turning the errors a user can act on into one line and an exit code."""
+    from sqlalchemy.exc import DBAPIError
+
     from digest.endpoint import EndpointError
     from digest.sources.polite_http import SourceError, SourceUnreachable
-    from digest.store.database import StoreError
+    from digest.store.database import StoreError, first_line
     from digest.store.job_lock import LockHeld
     from engine.server.server_process import ServerStartError
 
@@ -248,6 +250,8 @@ def _guarded(action: Callable[[], T]) -> T:
         raise _fail(str(exc), EXIT_FAILED) from None
     except (EndpointError, StoreError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
+    except DBAPIError as exc:  # the database went away mid-run: often transient, so exit 1
+        raise _fail(f"database error: {first_line(exc.orig or exc)}", EXIT_FAILED) from None
 
 
 @digest_app.command("render")
@@ -311,6 +315,8 @@ def digest_schedule(
     )
 
     options = _run_options(date.today(), **_run_fields(locals()))
+    # A wrong database URL fails the start (exit 2), not every night at 02:00.
+    _database(db).dispose()
     try:
         scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
     except ScheduleError as exc:
@@ -330,6 +336,22 @@ def _database(db: str | None) -> Engine:
         raise _fail(str(exc), EXIT_USAGE) from None
 
 
+def _migrating(action: Callable[[], T]) -> T:
+    """A migration command's errors a user can act on as one line: an unknown revision (exit 2),
+    a database that fails mid-way (exit 1)."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import DBAPIError
+
+    from digest.store.database import first_line
+
+    try:
+        return action()
+    except CommandError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    except DBAPIError as exc:
+        raise _fail(f"database error: {first_line(exc.orig or exc)}", EXIT_FAILED) from None
+
+
 @db_app.command("upgrade")
 def db_upgrade(
     revision: Annotated[str, typer.Argument(help="Target revision.")] = "head", db: DbOpt = None
@@ -338,7 +360,7 @@ def db_upgrade(
     from digest.store import migrate
 
     engine = _database(db)
-    migrate.upgrade(engine, revision)
+    _migrating(lambda: migrate.upgrade(engine, revision))
     typer.echo(f"database at {migrate.current_revision(engine)}")
 
 
@@ -351,7 +373,7 @@ def db_downgrade(
     from digest.store import migrate
 
     engine = _database(db)
-    migrate.downgrade(engine, revision)
+    _migrating(lambda: migrate.downgrade(engine, revision))
     typer.echo(f"database at {migrate.current_revision(engine) or 'base'}")
 
 
@@ -361,5 +383,5 @@ def db_current(db: DbOpt = None) -> None:
     from digest.store import migrate
 
     engine = _database(db)
-    current = migrate.current_revision(engine) or "base (empty)"
+    current = _migrating(lambda: migrate.current_revision(engine)) or "base (empty)"
     typer.echo(f"current: {current}\nhead:    {migrate.head_revision()}")

@@ -1,7 +1,11 @@
 """Opening the store: the database URL, engine settings per dialect, and migrations to head.
 
 SQLite is the embedded default (a file under $NIGHTSHIFT_HOME); PostgreSQL is the production store
-(`postgresql+psycopg://user@host/db`). Both get the same schema from the Alembic migrations."""
+(`postgresql+psycopg://user@host/db`). Both get the same schema from the Alembic migrations.
+
+Opening connects once, so that a wrong URL (no such database, nothing listening, a driver that is
+not installed, a file that is not a database) is one line naming it at the start of a command,
+not a traceback from deep inside the first query."""
 
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ import sqlite3
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
 
 from engine.model_fetch import nightshift_home
 
 DATABASE_URL_ENV = "NIGHTSHIFT_DATABASE_URL"
+SUPPORTED = "sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+PG_CONNECT_TIMEOUT_S = 10  # an unreachable host fails the start instead of hanging it
 
 
 class StoreError(RuntimeError):
@@ -29,17 +35,47 @@ def default_database_url() -> str:
 
 
 def open_database(url: str | None = None) -> Engine:
-    """An engine for `url` (default: $NIGHTSHIFT_DATABASE_URL or the SQLite file)."""
+    """An engine for `url` (default: $NIGHTSHIFT_DATABASE_URL or the SQLite file), connected
+    once; raises StoreError with a one-line reason when that fails."""
     url = url or default_database_url()
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
         raise StoreError(f"not a database URL: {url!r} ({exc})") from None
-    if parsed.get_backend_name() == "sqlite":
-        return _open_sqlite(url, parsed.database)
-    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
-        url = parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
-    return create_engine(url, pool_pre_ping=True)
+    shown = parsed.render_as_string(hide_password=True)
+    backend = parsed.get_backend_name()
+    if backend not in ("sqlite", "postgresql"):
+        raise StoreError(f"unsupported database {parsed.drivername!r} in {shown}: use {SUPPORTED}")
+    try:
+        engine = _open_sqlite(url, parsed.database) if backend == "sqlite" else _open_pg(parsed)
+    except (ArgumentError, ImportError) as exc:  # e.g. postgresql+asyncpg without asyncpg
+        raise StoreError(f"cannot use {shown}: {first_line(exc)}; use {SUPPORTED}") from None
+    except OSError as exc:  # the SQLite file's folder cannot be created
+        raise StoreError(f"cannot open the database {shown}: {exc}") from None
+    _check_connects(engine, shown)
+    return engine
+
+
+def _open_pg(parsed: URL) -> Engine:
+    if parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    timeout = {} if "connect_timeout" in parsed.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    return create_engine(parsed, pool_pre_ping=True, connect_args=timeout)
+
+
+def _check_connects(engine: Engine, shown: str) -> None:
+    try:
+        with engine.connect() as connection:
+            connection.exec_driver_sql("SELECT 1")
+    except (DBAPIError, sqlite3.Error) as exc:
+        engine.dispose()
+        reason = first_line(getattr(exc, "orig", None) or exc)
+        raise StoreError(f"cannot open the database {shown}: {reason}") from None
+
+
+def first_line(exc: BaseException) -> str:
+    # psycopg's messages go on with hints on further lines; the first names the problem.
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0].strip()
 
 
 def _open_sqlite(url: str, database: str | None) -> Engine:
