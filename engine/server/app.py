@@ -25,7 +25,13 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.auth import APIKeyCheck
 from engine.server.disconnect import ClientDisconnected, until_disconnected
 from engine.server.errors import APIError, as_api_error, install_error_handlers, sse_error
-from engine.server.limits import BodySizeLimit, RequestLimits, check_prompt_count, check_sampling
+from engine.server.limits import (
+    BodySizeLimit,
+    RequestLimits,
+    check_prompt_count,
+    check_samples,
+    check_sampling,
+)
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -153,9 +159,19 @@ def create_app(
     async def chat(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_sampling(body, limits)
-        params = body.to_sampling_params()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        # Every message renders to at least one token, every token to at most so many chars.
         check_length(sum(len(m["content"]) for m in messages), "messages")
+        if len(messages) > max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"messages are {len(messages)}, each at least one token.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        # Compiling a structured-output constraint can take a while: not on the event loop.
+        params = await asyncio.to_thread(body.to_sampling_params)
         # Rendering and tokenizing run on a worker thread: neither the event loop nor the
         # engine's steps wait for them.
         prompt_ids = await asyncio.to_thread(engine.engine.encode_chat, messages)
@@ -176,13 +192,14 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         check_sampling(body, limits)
-        params = body.to_sampling_params()
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt is empty", "invalid_request_error", "prompt")
         check_prompt_count(len(prompts), limits)
+        check_samples(body.n * len(prompts), limits)
         for p in prompts:
             check_length(len(p), "prompt")
+        params = await asyncio.to_thread(body.to_sampling_params)
         encoded = await asyncio.to_thread(_encode_all, engine, prompts)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = submit(rid, encoded, params)

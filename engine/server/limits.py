@@ -16,6 +16,7 @@ class RequestLimits:
     max_logprobs: int = 20  # logprobs, top_logprobs, prompt_logprobs (vLLM's default: 20)
     max_n: int = 128  # samples per request (OpenAI's limit)
     max_prompts: int = 256  # prompts in one /v1/completions request
+    max_samples: int = 1024  # n x prompts in one request
     max_stop: int = 64  # stop strings, and separately stop_token_ids
     max_stop_chars: int = 1024  # characters in one stop string
     max_request_bytes: int = 16 << 20  # the HTTP body
@@ -43,6 +44,11 @@ def check_sampling(body, limits: RequestLimits) -> None:
 def check_prompt_count(count: int, limits: RequestLimits) -> None:
     if count > limits.max_prompts:
         raise _over("prompt", f"{count} prompts", limits.max_prompts, None)
+
+
+def check_samples(count: int, limits: RequestLimits) -> None:
+    if count > limits.max_samples:
+        raise _over("n", f"n x prompts = {count} samples", limits.max_samples, None)
 
 
 def _over(field: str, value: object, limit: int, flag: str | None) -> APIError:

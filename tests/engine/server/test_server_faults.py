@@ -233,6 +233,8 @@ def test_the_waiting_limit_holds_under_a_burst_counting_samples(model_dir, n):
         ("completions", {"stop": [f"s{i}" for i in range(65)]}, ["stop", "64"]),
         ("completions", {"stop": ["x" * 1025]}, ["stop", "1024"]),
         ("completions", {"prompt": ["a"] * 257}, ["prompt", "256"]),
+        ("completions", {"prompt": ["a"] * 200, "n": 6}, ["1200 samples", "1024"]),
+        ("chat", {"messages": [{"role": "user", "content": ""}] * 1100}, ["context length"]),
         ("completions", {"top_k": 10**30, "temperature": 1}, None),  # huge top_k is no top-k
         ("completions", {"stop_token_ids": [10**30]}, ["stop_token_ids"]),
         ("completions", {"seed": 2**64}, ["seed"]),
