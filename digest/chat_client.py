@@ -19,6 +19,8 @@ from email.utils import parsedate_to_datetime
 
 import httpx
 
+from digest.clean_text import xml_safe
+
 log = logging.getLogger(__name__)
 
 _RETRY_STATUSES = frozenset({408, 409, 429})
@@ -213,7 +215,7 @@ class ChatClient:
     ) -> ChatCallError:
         plural = "attempt" if attempts == 1 else "attempts"
         return ChatCallError(
-            f"{error} (gave up after {attempts} {plural})",
+            xml_safe(f"{error} (gave up after {attempts} {plural})"),  # it quotes the server
             status_code=status,
             attempts=attempts,
             started_at=started_at,
@@ -234,7 +236,7 @@ class _Reply:
         usage = self.usage or {}
         details = usage.get("prompt_tokens_details") or {}
         return ChatResult(
-            text=self.text,
+            text=xml_safe(self.text),  # a model may emit any character; the store cannot
             finish_reason=self.finish_reason,
             prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
             completion_tokens=_int_or_none(usage.get("completion_tokens")),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from digest.clean_text import xml_safe
 
 InputBasis = Literal["abstract", "fulltext"]
 ParseStatus = Literal["ok", "repaired", "failed"]
@@ -28,3 +30,9 @@ class Review(BaseModel):
     confidence: int = Field(ge=1, le=5)
     decision: Literal["Accept", "Reject"]
     input_basis: InputBasis
+
+    @field_validator("summary", "strengths", "weaknesses", "questions", "limitations")
+    @classmethod
+    def _xml_safe(cls, value: str | list[str]) -> str | list[str]:
+        # A JSON escape (\u0000) in the reply brings back what the client cleaned from its text.
+        return xml_safe(value) if isinstance(value, str) else [xml_safe(v) for v in value]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from datetime import date
 from pathlib import Path
 
+from digest.clean_text import clean_paper
 from digest.paper import Paper
 from digest.sources.arxiv_api import API_URL, fetch_arxiv_api
 from digest.sources.arxiv_rss import RSS_URL, fetch_arxiv_rss
@@ -40,15 +41,20 @@ def load_papers(
     rss_url: str = RSS_URL,
 ) -> list[Paper]:
     """Papers from `source`: "arxiv" (the API, papers submitted on `day` UTC), "rss" (the latest
-    announcement day; `day` is not used), or else the path of a local file (all its papers)."""
+    announcement day; `day` is not used), or else the path of a local file (all its papers).
+    Their text is cleaned of what XML and PostgreSQL cannot hold, whatever the source."""
     if source not in ("arxiv", "rss"):
-        return load_papers_file(Path(source), max_papers)
+        return [clean_paper(p) for p in load_papers_file(Path(source), max_papers)]
     own_client = client is None
     client = client or PoliteClient()
     try:
         if source == "arxiv":
-            return fetch_arxiv_api(client, categories, day, max_papers, base_url=api_url)
-        return fetch_arxiv_rss(client, categories, include_cross, max_papers, base_url=rss_url)
+            papers = fetch_arxiv_api(client, categories, day, max_papers, base_url=api_url)
+        else:
+            papers = fetch_arxiv_rss(
+                client, categories, include_cross, max_papers, base_url=rss_url
+            )
+        return [clean_paper(p) for p in papers]
     finally:
         if own_client:
             client.close()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from bs4 import BeautifulSoup, Tag
 
+from digest.clean_text import xml_safe
 from digest.paper import Paper
 from digest.sources.arxiv_api import normalize_space
 from digest.sources.polite_http import PoliteClient, SourceError
@@ -103,4 +104,4 @@ def fetch_fulltext(client: PoliteClient, paper: Paper, base_url: str = HTML_URL)
         return None
     if response.status_code == 404:
         return None
-    return html_to_text(response.text) or None
+    return xml_safe(html_to_text(response.text)) or None
