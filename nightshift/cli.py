@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from nightshift.capacity_commands import capacity_app
+from nightshift.cli_errors import user_errors
 from nightshift.digest_commands import db_app, digest_app
 from nightshift.workload_commands import workload_app
 
@@ -63,13 +64,17 @@ def generate(
 
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype, device=device)
-    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens)
-    start = time.perf_counter()
-    if raw:
-        result = llm.generate([prompt], params)[0]
-    else:
-        result = llm.chat([{"role": "user", "content": prompt}], params)[0]
+    # A bad model folder or sampling value: one line and exit 2.
+    with user_errors(ValueError):
+        llm = LLM(model=model, dtype=dtype, device=device)
+        params = SamplingParams(
+            temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens
+        )
+        start = time.perf_counter()
+        if raw:
+            result = llm.generate([prompt], params)[0]
+        else:
+            result = llm.chat([{"role": "user", "content": prompt}], params)[0]
     elapsed = time.perf_counter() - start
     out = result.outputs[0]
     typer.echo(out.text)
@@ -89,7 +94,7 @@ def serve(
         str | None, typer.Option(help="Model name clients use (default: --model).")
     ] = None,
     host: Annotated[str, typer.Option(help="Bind address (loopback unless told).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option()] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -161,7 +166,6 @@ def serve(
     from engine.server.auth import resolve_api_key
     from engine.server.limits import RequestLimits
     from engine.server.serve import serve as run_server
-    from nightshift.cli_errors import user_errors
 
     limits = RequestLimits(
         max_logprobs=max_logprobs, max_n=max_n, max_request_bytes=max_request_bytes
@@ -210,17 +214,17 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("engine")
 def bench_engine(
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
-    num_prompts: Annotated[int, typer.Option(help="Requests in the mixed workload.")] = 64,
+    num_prompts: Annotated[int, typer.Option(help="Requests in the mixed workload.", min=1)] = 64,
     max_batch: Annotated[
-        int, typer.Option(help="Engine max_num_seqs = HF static batch size.")
+        int, typer.Option(help="Engine max_num_seqs = HF static batch size.", min=1)
     ] = 32,
     max_num_batched_tokens: Annotated[
-        int, typer.Option(help="Engine token budget per step.")
+        int, typer.Option(help="Engine token budget per step.", min=1)
     ] = 2048,
-    input_min: Annotated[int, typer.Option()] = 200,
-    input_max: Annotated[int, typer.Option()] = 700,
-    output_min: Annotated[int, typer.Option()] = 64,
-    output_max: Annotated[int, typer.Option()] = 256,
+    input_min: Annotated[int, typer.Option(min=1)] = 200,
+    input_max: Annotated[int, typer.Option(min=1)] = 700,
+    output_min: Annotated[int, typer.Option(min=1)] = 64,
+    output_max: Annotated[int, typer.Option(min=1)] = 256,
     threads: Annotated[int | None, typer.Option(help="torch threads for both sides.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     skip_hf: Annotated[bool, typer.Option("--skip-hf", help="Engine only.")] = False,
@@ -243,19 +247,22 @@ def bench_engine(
         skip_batch1=skip_batch1,
         json_out=json_out,
     )
-    run_bench(config, echo=typer.echo)
+    with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        run_bench(config, echo=typer.echo)
 
 
 @bench_app.command("serve")
 def bench_serve(
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
-    num_prompts: Annotated[int, typer.Option()] = 32,
-    max_batch: Annotated[int, typer.Option()] = 32,
-    input_min: Annotated[int, typer.Option()] = 200,
-    input_max: Annotated[int, typer.Option()] = 700,
-    output_min: Annotated[int, typer.Option()] = 64,
-    output_max: Annotated[int, typer.Option()] = 256,
-    repeats: Annotated[int, typer.Option(help="Offline / HTTP pairs; the median ratio.")] = 3,
+    num_prompts: Annotated[int, typer.Option(min=1)] = 32,
+    max_batch: Annotated[int, typer.Option(min=1)] = 32,
+    input_min: Annotated[int, typer.Option(min=1)] = 200,
+    input_max: Annotated[int, typer.Option(min=1)] = 700,
+    output_min: Annotated[int, typer.Option(min=1)] = 64,
+    output_max: Annotated[int, typer.Option(min=1)] = 256,
+    repeats: Annotated[
+        int, typer.Option(help="Offline / HTTP pairs; the median ratio.", min=1)
+    ] = 3,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """The same workload over HTTP streaming and offline, one run: serving overhead."""
@@ -271,7 +278,8 @@ def bench_serve(
         output_range=(output_min, output_max),
         repeats=repeats,
     )
-    report = run_bench_serve(cfg, echo=typer.echo)
+    with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        report = run_bench_serve(cfg, echo=typer.echo)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(report, f, indent=2)
@@ -284,10 +292,10 @@ def bench_structured(
         str, typer.Option(help="Papers file (JSON/JSONL/Atom) for the review prompts.")
     ] = "examples/papers-2026-03-sample.jsonl",
     num_papers: Annotated[int | None, typer.Option(help="First N papers; default all.")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Per review; default the digest's.")] = 768,
+    max_tokens: Annotated[int, typer.Option(help="Per review; default the digest's.", min=1)] = 768,
     frequency_penalty: Annotated[float, typer.Option()] = 0.0,
     repetition_penalty: Annotated[float, typer.Option()] = 1.0,
-    repeats: Annotated[int, typer.Option(help="Constrained / same-length pairs.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Constrained / same-length pairs.", min=1)] = 1,
     threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
@@ -305,7 +313,8 @@ def bench_structured(
         threads=threads,
         json_out=json_out,
     )
-    run_structured_bench(cfg, echo=typer.echo)
+    with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        run_structured_bench(cfg, echo=typer.echo)
 
 
 @bench_app.command("speculative")
@@ -314,11 +323,13 @@ def bench_speculative(
     papers: Annotated[
         str, typer.Option(help="Papers file (JSON/JSONL/Atom) for the summary prompts.")
     ] = "examples/papers-2026-03-sample.jsonl",
-    num_papers: Annotated[int, typer.Option(help="Prompts per run (papers repeat).")] = 8,
-    max_tokens: Annotated[int, typer.Option(help="Per summary; default the digest's.")] = 256,
-    num_speculative_tokens: Annotated[int, typer.Option(help="k proposed per step.")] = 4,
-    prompt_lookup_min: Annotated[int, typer.Option()] = 2,
-    prompt_lookup_max: Annotated[int, typer.Option()] = 4,
+    num_papers: Annotated[int, typer.Option(help="Prompts per run (papers repeat).", min=1)] = 8,
+    max_tokens: Annotated[
+        int, typer.Option(help="Per summary; default the digest's.", min=1)
+    ] = 256,
+    num_speculative_tokens: Annotated[int, typer.Option(help="k proposed per step.", min=1)] = 4,
+    prompt_lookup_min: Annotated[int, typer.Option(min=1)] = 2,
+    prompt_lookup_max: Annotated[int, typer.Option(min=1)] = 4,
     draft_model: Annotated[
         str | None, typer.Option(help="Also run a draft-model side with this model folder.")
     ] = None,
@@ -326,7 +337,7 @@ def bench_speculative(
     frequency_penalty: Annotated[
         list[float] | None, typer.Option(help="Penalties to run; default 0 and 0.5.")
     ] = None,
-    repeats: Annotated[int, typer.Option(help="Base / ngram pairs per setting.")] = 1,
+    repeats: Annotated[int, typer.Option(help="Base / ngram pairs per setting.", min=1)] = 1,
     threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
@@ -351,7 +362,8 @@ def bench_speculative(
         cfg.batch_sizes = batch
     if frequency_penalty:
         cfg.frequency_penalties = frequency_penalty
-    run_spec_bench(cfg, echo=typer.echo)
+    with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        run_spec_bench(cfg, echo=typer.echo)
 
 
 app.add_typer(digest_app, name="digest")
