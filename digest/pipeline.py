@@ -64,6 +64,7 @@ class RunOptions:
     site_url: str | None = None  # where out_dir is published: absolute feed links and ids
     local_model: str = "default"
     local_server_args: tuple[str, ...] = ()
+    redo: tuple[str, ...] = ()  # arXiv ids (no version) whose results are asked for again
     # Where the arXiv sources and the model client are pointed and how patient they are; tests
     # point them at loopback fixtures and shorten the waits.
     arxiv_api_url: str | None = None
@@ -96,10 +97,15 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
     with JobLock(engine):
         if stale := store.mark_stale_runs_interrupted():
             log.info("%d earlier run(s) had died mid-way; resuming their work", stale)
+        _check_redo(store, options)
         run_id = store.start_run(
             options.digest_date, _params(options), model_name, label, PROMPT_VERSION
         )
         try:
+            for paper_id in options.redo:
+                log.info("%s: asking the model again (--redo)", paper_id)
+                store.forget_results(paper_id, model_name, PROMPT_VERSION)
+                store.set_item(options.digest_date, paper_id, "pending", run_id, None)
             inputs = _prepare_inputs(store, options)
             work = [i for i in inputs if not _is_done(store, i, model_name)]
             _mark_done(store, options.digest_date, run_id, inputs, work)
@@ -143,6 +149,18 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
         failed=failed,
         outputs=outputs,
     )
+
+
+class RedoError(ValueError):
+    """--redo names a paper that the date's digest does not list."""
+
+
+def _check_redo(store: DigestStore, options: RunOptions) -> None:
+    listed = {paper.arxiv_id for _, paper in store.items(options.digest_date)}
+    for paper_id in options.redo:
+        if paper_id not in listed:
+            day = options.digest_date.isoformat()
+            raise RedoError(f"--redo {paper_id}: the digest of {day} does not list that paper")
 
 
 def render_date(
@@ -248,7 +266,13 @@ def _key(model: str, basis: InputBasis) -> WorkKey:
 def _is_done(store: DigestStore, item: PaperInput, model: str) -> bool:
     key = _key(model, item.basis)
     pid = item.paper.arxiv_id
-    return store.summary(pid, key) is not None and store.review(pid, key) is not None
+    return store.summary(pid, key) is not None and _has_review(store, pid, key)
+
+
+def _has_review(store: DigestStore, paper_id: str, key: WorkKey) -> bool:
+    """A review that validated; an unparsed reply is kept for reading but asked for again."""
+    review = store.review(paper_id, key)
+    return review is not None and review.parse_status != "failed"
 
 
 def _mark_done(
@@ -293,6 +317,10 @@ async def _call_model(
         await asyncio.gather(*(one(item) for item in work))
 
 
+class _Unparsed(Exception):
+    """The review reply did not validate: the paper failed (its raw reply is stored)."""
+
+
 @dataclass(slots=True)
 class _PaperCalls:
     store: DigestStore
@@ -321,7 +349,7 @@ class _PaperCalls:
                         latency_s=result.latency_s,
                     )
                 self.store.save_summary(item.paper, key, text, self.run_id)
-            if self.store.review(pid, key) is None:
+            if not _has_review(self.store, pid, key):
                 # Ask for schema-constrained JSON unless this server has said it cannot.
                 fmt = (
                     None
@@ -346,7 +374,9 @@ class _PaperCalls:
                     parsed.error,
                     self.run_id,
                 )
-        except ChatCallError as exc:
+                if parsed.review is None:
+                    raise _Unparsed(f"review unparsed: {parsed.error}")
+        except (ChatCallError, _Unparsed) as exc:
             self.store.set_item(self.day, pid, "failed", self.run_id, item.basis, str(exc))
             return f"failed: {exc}"
         self.store.set_item(self.day, pid, "done", self.run_id, item.basis)

@@ -99,6 +99,15 @@ def _digest_date(value: str | None, source: str) -> date:
         raise _fail(f"--date must be YYYY-MM-DD, not {value!r}", EXIT_USAGE) from None
 
 
+def _paper_id(value: str) -> str:
+    from digest.paper import InvalidArxivId, parse_arxiv_id
+
+    try:
+        return parse_arxiv_id(value)[0]
+    except InvalidArxivId as exc:
+        raise _fail(f"--redo: {exc}", EXIT_USAGE) from None
+
+
 def _out_dir(value: Path | None) -> Path:
     from engine.model_fetch import nightshift_home
 
@@ -206,12 +215,22 @@ def digest_run(
     site_url: SiteUrlOpt = None,
     local_speculation: LocalSpecOpt = True,
     local_model: LocalModelOpt = "default",
+    redo: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--redo",
+            metavar="PAPER_ID",
+            help="Ask the model again for this paper of the date (repeatable), replacing its "
+            "stored summary and review.",
+        ),
+    ] = None,
 ) -> None:
     """Fetch the day's papers, summarize and review each, store, and publish the digest."""
     from digest.sigterm import sigterm_unwinds
 
-    # The command's own parameters are exactly the run options (schedule shares them).
+    # The command's run parameters are the run options (schedule shares them).
     options = _run_options(_digest_date(date_, source), **_run_fields(locals()))
+    options.redo = tuple(_paper_id(value) for value in redo or ())
     resume = f"stopped by SIGTERM; `digest run --date {options.digest_date}` resumes the run"
     with sigterm_unwinds(resume):
         report = _guarded(lambda: _run_with_progress(options))
@@ -233,6 +252,7 @@ def _guarded(action: Callable[[], T]) -> T:
     from sqlalchemy.exc import DBAPIError
 
     from digest.endpoint import EndpointError
+    from digest.pipeline import RedoError
     from digest.sources.polite_http import SourceError, SourceUnreachable
     from digest.store.database import StoreError, first_line
     from digest.store.job_lock import LockHeld
@@ -248,7 +268,7 @@ def _guarded(action: Callable[[], T]) -> T:
         ) from None
     except (SourceError, LockHeld, ServerStartError, LookupError) as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
-    except (EndpointError, StoreError) as exc:
+    except (EndpointError, StoreError, RedoError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     except DBAPIError as exc:  # the database went away mid-run: often transient, so exit 1
         raise _fail(f"database error: {first_line(exc.orig or exc)}", EXIT_FAILED) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -193,14 +193,18 @@ class DigestStore:
         paper_id: str,
         status: str,
         run_id: int,
-        input_basis: InputBasis,
+        input_basis: InputBasis | None,
         error: str | None = None,
     ) -> None:
+        """Set an item's status; `input_basis` None keeps the stored one."""
+        values = {"status": status, "error": error, "last_run_id": run_id}
+        if input_basis is not None:
+            values["input_basis"] = input_basis
         with self._session.begin() as s:
             s.execute(
                 update(DigestItemRow)
                 .where(DigestItemRow.digest_date == digest_date, DigestItemRow.paper_id == paper_id)
-                .values(status=status, error=error, last_run_id=run_id, input_basis=input_basis)
+                .values(**values)
             )
 
     # -- full texts ----------------------------------------------------------------------------
@@ -254,6 +258,8 @@ class DigestStore:
         parse_error: str | None,
         run_id: int,
     ) -> None:
+        """Store a review; one that failed to parse is replaced by the next reply."""
+        self._delete_result(ReviewRow, paper.arxiv_id, key, only_unparsed=True)
         self._insert_once(
             ReviewRow(
                 paper_id=paper.arxiv_id,
@@ -342,6 +348,32 @@ class DigestStore:
                     table.input_basis == key.input_basis,
                 )
             ).first()
+
+    def forget_results(self, paper_id: str, model: str, prompt_version: str) -> None:
+        """Drop a paper's summaries and reviews by this model and prompt (either input basis),
+        so that the next run asks for them again (`digest run --redo`)."""
+        for basis in ("abstract", "fulltext"):
+            key = WorkKey(model, prompt_version, basis)
+            self._delete_result(SummaryRow, paper_id, key)
+            self._delete_result(ReviewRow, paper_id, key)
+
+    def _delete_result(
+        self,
+        table: type[SummaryRow] | type[ReviewRow],
+        paper_id: str,
+        key: WorkKey,
+        only_unparsed: bool = False,
+    ) -> None:
+        query = delete(table).where(
+            table.paper_id == paper_id,
+            table.model == key.model,
+            table.prompt_version == key.prompt_version,
+            table.input_basis == key.input_basis,
+        )
+        if only_unparsed:
+            query = query.where(ReviewRow.parse_status == "failed")
+        with self._session.begin() as s:
+            s.execute(query)
 
     def _insert_once(self, row: object) -> None:
         try:

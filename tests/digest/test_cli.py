@@ -109,6 +109,8 @@ def test_bad_arguments_exit_2_with_a_clear_message(tmp_path, sqlite_url):
         (["--endpoint", "ftp://x"], "--endpoint must be 'local' or an http(s) URL"),
         (["--concurrency", "0"], "--concurrency must be at least 1"),
         (["--db", "nonsense"], "not a database URL"),
+        (["--redo", "not-an-id"], "--redo: not an arXiv identifier"),
+        (["--redo", "2603.99999v2"], "--redo 2603.99999: the digest of 2026-03-10 does not list"),
     ]
     for extra, message in cases:
         args = _run_args(tmp_path, sqlite_url, "http://127.0.0.1:9/v1") + extra

@@ -138,18 +138,56 @@ def test_a_failing_paper_is_marked_and_the_rerun_finishes_it(tmp_path, db_url):
     assert [r.status for r in store.runs_for(DAY)] == ["partial", "succeeded"]
 
 
-def test_unparseable_review_is_kept_raw(tmp_path, sqlite_url):
+def test_an_unparsed_review_fails_the_paper_and_a_rerun_asks_again(tmp_path, db_url):
     faults = [Fault("invalid_review", match=TITLES[1], times=-1)]
     with FaultServer(faults=faults) as stub:
-        report = run_digest(options(tmp_path, sqlite_url, stub.base_url))
-    assert report.status == "succeeded"
-    entry = DigestStore(open_database(sqlite_url)).load_digest(DAY).entries[1]
-    assert entry.review is None and entry.review_parse_status == "failed"
-    assert "cannot produce a structured review" in entry.review_raw
-    assert (
-        "cannot produce a structured review"
-        in (tmp_path / "out" / f"digest-{DAY}.html").read_text()
-    )
+        report = run_digest(options(tmp_path, db_url, stub.base_url))
+    assert (report.status, report.exit_code) == ("partial", 3)
+    assert report.failed[0][0] == "2603.00002" and "review unparsed" in report.failed[0][1]
+    store = DigestStore(open_database(db_url))
+    entry = store.load_digest(DAY).entries[1]
+    assert entry.status == "failed" and entry.review is None
+    assert entry.review_parse_status == "failed"
+    assert "cannot produce a structured review" in entry.review_raw  # kept for reading
+    html = (tmp_path / "out" / f"digest-{DAY}.html").read_text()
+    assert html.index("Not processed") < html.index("cannot produce a structured review")
+
+    with FaultServer() as healthy:
+        again = run_digest(options(tmp_path, db_url, healthy.base_url))
+        # Only the review is asked for again: the summary stands.
+        (request,) = healthy.requests
+        assert TITLES[1] in request["messages"][1]["content"] and "response_format" in request
+    assert (again.status, again.exit_code, again.papers_done) == ("succeeded", 0, 4)
+    entry = store.load_digest(DAY).entries[1]
+    assert entry.status == "done" and entry.review_parse_status == "ok"
+    assert count(db_url, ReviewRow) == 4  # the unparsed reply was replaced, not duplicated
+
+
+def test_redo_asks_again_for_one_paper(tmp_path, db_url):
+    with FaultServer() as stub:
+        run_digest(options(tmp_path, db_url, stub.base_url))
+    before = {s.paper_id: s.run_id for s in _rows(db_url, SummaryRow)}
+    with FaultServer() as stub:
+        report = run_digest(options(tmp_path, db_url, stub.base_url, redo=("2603.00003",)))
+        asked = [b for b in stub.requests if TITLES[2] in json.dumps(b)]
+        assert len(stub.requests) == len(asked) == 2  # its summary and review, nothing else
+    assert (report.status, report.papers_done) == ("succeeded", 4)
+    after = {s.paper_id: s.run_id for s in _rows(db_url, SummaryRow)}
+    assert after["2603.00003"] == report.run_id != before["2603.00003"]
+    assert {k: v for k, v in after.items() if k != "2603.00003"} == {
+        k: v for k, v in before.items() if k != "2603.00003"
+    }
+    assert count(db_url, SummaryRow) == count(db_url, ReviewRow) == 4
+
+    from digest.pipeline import RedoError
+
+    with pytest.raises(RedoError, match="2603.99999"):
+        run_digest(options(tmp_path, db_url, "http://127.0.0.1:9/v1", redo=("2603.99999",)))
+
+
+def _rows(db_url: str, table) -> list:
+    with open_database(db_url).connect() as conn:
+        return list(conn.execute(select(table)))
 
 
 def test_server_without_json_schema_gets_plain_requests(tmp_path, sqlite_url):
