@@ -1,0 +1,396 @@
+"""Every command of `nightshift workload` and `nightshift capacity` that reads a file, fed a table
+of bad files (binary, empty, truncated, deeply nested, huge numbers, NaN, wrong types, a
+directory, a missing file): each ends in one line `error: ...` that names the file (and the line,
+for a bad record) and exit code 2, never a traceback, before any network call or server start."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nightshift.cli import app
+
+DEAD_URL = "http://127.0.0.1:9/v1"  # the discard port: nothing listens, nothing may be sent
+MODEL = "SmolLM2-135M-Instruct"  # catalogue model: 8192-token context, no weights needed
+
+GOOD = {"timestamp": 0, "input_length": 100, "output_length": 10, "hash_ids": [0]}
+GOOD_LINE = json.dumps(GOOD)
+DEEP = "[" * 100_000
+
+
+def _record(**changes: object) -> str:
+    """A trace line: GOOD with fields replaced (None removes one); values are raw JSON text."""
+    fields = {k: json.dumps(v) for k, v in GOOD.items()}
+    for key, value in changes.items():
+        if value is None:
+            fields.pop(key)
+        else:
+            fields[key] = str(value)
+    return "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
+
+
+# Files any reader must refuse: (name, bytes). None: a directory; "missing": no file at all.
+GENERIC: dict[str, bytes | str | None] = {
+    "binary": bytes(range(256)) * 8,
+    "empty": b"",
+    "blank": b"\n \n\t\n",
+    "utf16": '{"timestamp": 0}\n'.encode("utf-16"),
+    "deep_list": DEEP.encode(),
+    "deep_object": ('{"a": ' * 100_000).encode(),
+    "directory": None,
+    "missing": "missing",
+}
+
+# Bad records of a JSONL trace, always on line 2 after a good one.
+TRACE_RECORDS: dict[str, str] = {
+    "truncated": '{"timestamp": 0, "input_len',
+    "nan_timestamp": _record(timestamp="NaN"),
+    "inf_timestamp": _record(timestamp="Infinity"),
+    "neg_inf_timestamp": _record(timestamp="-Infinity"),
+    "overflow_timestamp": _record(timestamp="1e400"),
+    "negative_timestamp": _record(timestamp=-5),
+    "string_timestamp": _record(timestamp='"yesterday"'),
+    "nan_input": _record(input_length="NaN"),
+    "float_1e20_input": _record(input_length="1e20"),
+    "int_1e20_input": _record(input_length=10**20),
+    "int_1e400_input": _record(input_length=10**400),
+    "int_5000_digits_input": _record(input_length="9" * 5000),
+    "negative_input": _record(input_length=-1),
+    "zero_input": _record(input_length=0),
+    "negative_output": _record(output_length=-1),
+    "int_1e20_output": _record(output_length=10**20),
+    "string_input": _record(input_length='"100"'),
+    "bool_input": _record(input_length="true"),
+    "null_input": _record(input_length="null"),
+    "missing_output": _record(output_length=None),
+    "hash_ids_object": _record(hash_ids='{"0": 1}'),
+    "hash_ids_strings": _record(hash_ids='["a"]'),
+    "hash_ids_nan": _record(hash_ids="[NaN]"),
+    "hash_ids_huge": _record(hash_ids=f"[{10**30}]"),
+    "hash_ids_deep": _record(hash_ids="[" * 50_000),
+    "kind_list": _record(kind="[1]"),
+    "model_object": _record(model="{}"),
+    "cached_nan": _record(cached_tokens="NaN"),
+    "cached_bool": _record(cached_tokens="true"),
+    "record_list": "[1, 2, 3]",
+    "record_string": '"a request"',
+}
+
+# Azure / lengths CSVs (import): bad rows on line 3 after a good one.
+AZURE_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+LENGTHS_HEAD = "num_prefill_tokens,num_decode_tokens\n3772,54\n"
+CSV_FILES: dict[str, tuple[str, str]] = {  # name -> (--format, text)
+    "azure_truncated": ("azure", AZURE_HEAD + "2023-11-16 18:15:4"),
+    "azure_huge_context": ("azure", AZURE_HEAD + f"2023-11-16 18:15:47.0,{10**20},44\n"),
+    "azure_nan_context": ("azure", AZURE_HEAD + "2023-11-16 18:15:47.0,nan,44\n"),
+    "azure_superscript": ("azure", AZURE_HEAD + "2023-11-16 18:15:47.0,\u00b2,44\n"),
+    "azure_negative": ("azure", AZURE_HEAD + "2023-11-16 18:15:47.0,-3,44\n"),
+    "azure_bad_time": ("azure", AZURE_HEAD + "2023-13-45 99:15:47.0,3,44\n"),
+    "azure_nul": ("azure", AZURE_HEAD + "2023-11-16 18:15:47.0,3\x00,44\n"),
+    "lengths_huge": ("lengths", LENGTHS_HEAD + f"{10**20},54\n"),
+    "lengths_zero": ("lengths", LENGTHS_HEAD + "0,54\n"),
+    "lengths_float": ("lengths", LENGTHS_HEAD + "1e3,54\n"),
+    "lengths_header_only": ("lengths", "num_prefill_tokens,num_decode_tokens\n"),
+    "lengths_huge_field": ("lengths", LENGTHS_HEAD + "1" * 200_000 + ",3\n"),
+}
+
+PROFILE_GOOD = {
+    "step": 0,
+    "wall_s": 0.01,
+    "num_batched_tokens": 16,
+    "sampled_requests": 1,
+    "attention_pairs": 136,
+    "context_tokens": 16,
+    "gap_s": 0.0,
+}
+
+
+def _step(**changes: object) -> str:
+    fields = {k: json.dumps(v) for k, v in PROFILE_GOOD.items()}
+    for key, value in changes.items():
+        if value is None:
+            fields.pop(key)
+        else:
+            fields[key] = str(value)
+    return "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
+
+
+# Step profiles (calibrate): the bad step on line 2.
+PROFILE_RECORDS: dict[str, str] = {
+    "truncated": '{"step": 1, "wall_s": 0.0',
+    "nan_wall": _step(wall_s="NaN"),
+    "inf_gap": _step(gap_s="Infinity"),
+    "negative_wall": _step(wall_s=-1),
+    "string_tokens": _step(num_batched_tokens='"16"'),
+    "huge_tokens": _step(num_batched_tokens=10**400),
+    "missing_context": _step(context_tokens=None),
+    "missing_step": _step(step=None),
+    "record_list": "[]",
+}
+
+# GPU files (report --gpu-file), by suffix.
+GPU_FILES: dict[str, tuple[str, str]] = {
+    "json_nan": (
+        ".json",
+        '{"X1": {"memory_gib": NaN, "bandwidth_gbps": 1, "bf16_tflops": 1, "price_per_hour": 1}}',
+    ),
+    "json_overflow": (".json", '{"L4": {"memory_gib": 1e400}}'),
+    "json_list_of_strings": (".json", '["L4"]'),
+    "yaml_nan": (".yaml", "L4:\n  bandwidth_gbps: .nan\n"),
+    "yaml_inf": (".yaml", "L4:\n  memory_gib: .inf\n"),
+    "yaml_string": (".yaml", "L4:\n  memory_gib: lots\n"),
+    "yaml_deep": (".yaml", DEEP),
+    "yaml_truncated": (".yaml", "L4:\n  memory_gib: [1,"),
+}
+
+# Calibrations (report --calibration).
+CALIBRATION_FILES: dict[str, str] = {
+    "list": "[]",
+    "missing_keys": '{"steps": 3}',
+    "nan_coefficient": json.dumps(
+        {
+            "coefficients": {
+                "k_compute": "NaN",
+                "k_memory": 1e-9,
+                "t_step": 0.001,
+                "t_row": 0.0,
+                "basis": "x",
+            },
+            "steps": 9,
+            "rmse_s": 0.0,
+            "mean_abs_error_pct": 0.0,
+            "total_error_pct": 0.0,
+            "compute_bound_steps": 0,
+            "machine": "L4",
+        }
+    ).replace('"NaN"', "NaN"),
+    "coefficients_list": json.dumps(
+        {
+            "coefficients": [1, 2],
+            "steps": 9,
+            "rmse_s": 0.0,
+            "mean_abs_error_pct": 0.0,
+            "total_error_pct": 0.0,
+            "compute_bound_steps": 0,
+            "machine": "L4",
+        }
+    ),
+    "truncated": '{"coefficients": {"k_comp',
+}
+
+_CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+# Model config.json files (report --model FOLDER).
+CONFIG_FILES: dict[str, str] = {
+    "list": "[1]",
+    "missing_fields": '{"hidden_size": 64}',
+    "zero_heads": json.dumps({**_CONFIG, "num_attention_heads": 0}),
+    "negative_layers": json.dumps({**_CONFIG, "num_hidden_layers": -2}),
+    "string_positions": json.dumps({**_CONFIG, "max_position_embeddings": "long"}),
+    "nan_head_dim": json.dumps(_CONFIG)[:-1] + ', "head_dim": NaN}',
+    "overflow_head_dim": json.dumps(_CONFIG)[:-1] + ', "head_dim": 1e400}',
+    "text_config_list": json.dumps({**_CONFIG, "text_config": [1]}),
+    "truncated": '{"hidden_size": 6',
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    id: str
+    argv: tuple[str, ...]  # "{file}", "{out}", "{good}", "{root}" are filled in per test
+    content: bytes | str | None  # None: a directory; "missing": nothing at the path
+    suffix: str = ".jsonl"
+    line: int | None = None  # the line a record error must name
+    folder_file: str | None = None  # the content goes into {dir}/folder_file, {file} = {dir}
+
+
+OUT = ("-o", "{out}")
+VALIDATE = ("capacity", "validate", "--workdir", "{root}/work", *OUT)
+TRACE_COMMANDS: dict[str, tuple[str, ...]] = {
+    "stats": ("workload", "stats", "{file}"),
+    "import": ("workload", "import", "{file}", *OUT),
+    "import_mooncake": ("workload", "import", "{file}", "--format", "mooncake", *OUT),
+    "synth": ("workload", "synth", "--like", "{file}", "--papers", "3", *OUT),
+    "replay": ("workload", "replay", "{file}", "--base-url", DEAD_URL, "--model", "m", *OUT),
+    "report": ("capacity", "report", "--model", MODEL, "--gpus", "L4", "--trace", "{file}", *OUT),
+    "validate_train": (*VALIDATE, "--train", "{file}", "--test", "{good}"),
+    "validate_test": (*VALIDATE, "--train", "{good}", "--test", "{file}"),
+}
+REPORT = ("capacity", "report", "--model", MODEL, "--gpus", "L4", *OUT)
+OTHER_COMMANDS: dict[str, tuple[str, ...]] = {
+    "import_azure": ("workload", "import", "{file}", "--format", "azure", *OUT),
+    "import_lengths": ("workload", "import", "{file}", "--format", "lengths", *OUT),
+    "calibrate": ("capacity", "calibrate", "{file}", "--model", MODEL, *OUT),
+    "gpu_file": (*REPORT, "--gpu-file", "{file}"),
+    "calibration": (*REPORT, "--calibration", "{file}"),
+    "export_db": ("workload", "export", "--db", "sqlite:///{file}", *OUT),
+}
+
+
+def _cases() -> list[Case]:
+    cases = []
+    for command, argv in {**TRACE_COMMANDS, **OTHER_COMMANDS}.items():
+        for name, content in GENERIC.items():
+            cases.append(Case(f"{command}-{name}", argv, content))
+    for command, argv in TRACE_COMMANDS.items():
+        for name, line in TRACE_RECORDS.items():
+            cases.append(Case(f"{command}-{name}", argv, f"{GOOD_LINE}\n{line}\n", line=2))
+    for name, (fmt, text) in CSV_FILES.items():
+        lines = text.count("\n") + (not text.endswith("\n"))
+        line = lines if "header_only" not in name else None
+        cases.append(
+            Case(f"import_{fmt}-{name}", OTHER_COMMANDS[f"import_{fmt}"], text, ".csv", line)
+        )
+    for name, line in PROFILE_RECORDS.items():
+        text = f"{_step()}\n{line}\n"
+        cases.append(Case(f"calibrate-{name}", OTHER_COMMANDS["calibrate"], text, line=2))
+    cases.append(Case("calibrate-too_few_steps", OTHER_COMMANDS["calibrate"], _step() + "\n"))
+    for name, (suffix, text) in GPU_FILES.items():
+        cases.append(Case(f"gpu_file-{name}", OTHER_COMMANDS["gpu_file"], text, suffix))
+    for name, text in CALIBRATION_FILES.items():
+        cases.append(Case(f"calibration-{name}", OTHER_COMMANDS["calibration"], text, ".json"))
+    model_argv = ("capacity", "report", "--model", "{file}", "--gpus", "L4", *OUT)
+    for name, text in {**CONFIG_FILES, "binary": GENERIC["binary"], "deep": DEEP}.items():
+        cases.append(Case(f"model_config-{name}", model_argv, text, folder_file="config.json"))
+    # A tokenizer folder (replay --tokenizer) whose tokenizer.json is binary or malformed.
+    replay = ("workload", "replay", "{good}", "--base-url", DEAD_URL, "--model", "m", *OUT)
+    for name, text in {"binary": GENERIC["binary"], "wrong_fields": '{"model": 5}'}.items():
+        argv = (*replay, "--tokenizer", "{file}")
+        cases.append(Case(f"replay_tokenizer-{name}", argv, text, folder_file="tokenizer.json"))
+    # Longer than the model's context (report: SmolLM2's 8192; validate: --max-model-len 2048).
+    too_long = f"{GOOD_LINE}\n{_record(input_length=9000)}\n"
+    cases.append(Case("report-longer_than_context", TRACE_COMMANDS["report"], too_long, line=2))
+    for command in ("validate_train", "validate_test"):
+        cases.append(
+            Case(f"{command}-longer_than_context", TRACE_COMMANDS[command], too_long, line=2)
+        )
+    # More hash_ids than 512-token blocks of the input: written with a smaller block size.
+    blocks = f"{GOOD_LINE}\n{_record(hash_ids=[1, 2, 3])}\n"
+    cases.append(Case("replay-too_many_hash_ids", TRACE_COMMANDS["replay"], blocks, line=2))
+    return cases
+
+
+CASES = _cases()
+
+
+def materialize(case: Case, root: Path) -> tuple[list[str], str]:
+    """Write the case's file under root; the command line and the bad file's path."""
+    root.mkdir(parents=True, exist_ok=True)
+    good = root / "good.jsonl"
+    good.write_text(f"{GOOD_LINE}\n" * 3)
+    path = root / f"bad{case.suffix}"
+    if case.folder_file is not None:
+        folder = root / "model"
+        folder.mkdir()
+        target = folder / case.folder_file
+        path = folder
+    else:
+        target = path
+    if case.content is None:
+        target.mkdir()
+    elif case.content != "missing":
+        data = case.content.encode() if isinstance(case.content, str) else case.content
+        target.write_bytes(data)
+    values = {
+        "file": str(path),
+        "out": str(root / "out" / "result"),
+        "good": str(good),
+        "root": str(root),
+    }
+    return [part.format(**values) if "{" in part else part for part in case.argv], str(path)
+
+
+def check_output(case: Case, path: str, code: int, output: str) -> None:
+    assert "Traceback" not in output, output
+    assert code == 2, f"exit {code}: {output}"
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output
+    assert path in errors[0], errors[0]
+    if case.line is not None:
+        assert f"{path}:{case.line}:" in errors[0], errors[0]
+
+
+@pytest.fixture(scope="module")
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_file_is_one_line_and_exit_2(case: Case, tmp_path: Path, runner: CliRunner) -> None:
+    argv, path = materialize(case, tmp_path)
+    result = runner.invoke(app, argv)
+    # An exception that escaped the command is a traceback for a user, whatever it printed.
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{type(result.exception).__name__}: {result.exception}"
+    )
+    check_output(case, path, result.exit_code, result.output)
+    assert not (tmp_path / "out").exists(), "nothing is written for a bad input"
+
+
+def _limited() -> None:
+    # 2 GiB of address space: a command that sizes memory by a number in the file dies of it.
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "nightshift.cli", *argv]
+    env = {**os.environ, "NO_COLOR": "1", "COLUMNS": "200"}
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=60, preexec_fn=_limited, env=env
+    )
+
+
+SUBPROCESS_CASES = [
+    "stats-binary",
+    "import-deep_list",
+    "import_mooncake-nan_timestamp",
+    "replay-int_1e20_input",
+    "import_azure-azure_huge_context",
+    "report-longer_than_context",
+]
+
+
+@pytest.mark.parametrize("case_id", SUBPROCESS_CASES)
+def test_bad_file_in_a_real_process(case_id: str, tmp_path: Path) -> None:
+    case = next(c for c in CASES if c.id == case_id)
+    argv, path = materialize(case, tmp_path)
+    done = _run(argv)
+    assert "Traceback" not in done.stderr + done.stdout
+    assert done.stdout == ""
+    check_output(case, path, done.returncode, done.stderr)
+
+
+def test_replay_of_a_giant_input_length_fails_fast_without_allocating(tmp_path: Path) -> None:
+    """input_length 10^20 (and 10^7, within the format's bound but past the replay cap) must be
+    refused before a prompt is built: in a process limited to 2 GiB, within seconds."""
+    for length in (10**20, 10**7):
+        trace = tmp_path / f"giant-{length}.jsonl"
+        trace.write_text(f"{GOOD_LINE}\n{_record(input_length=length)}\n")
+        argv = ["workload", "replay", str(trace), "--base-url", DEAD_URL, "--model", "m"]
+        done = _run([*argv, "-o", str(tmp_path / "r.json")])
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        assert f"{trace}:2: input_length" in done.stderr, done.stderr
+        assert not (tmp_path / "r.json").exists()
+
+
+def test_import_never_writes_nan(tmp_path: Path, runner: CliRunner) -> None:
+    trace = tmp_path / "nan.jsonl"
+    trace.write_text(f"{GOOD_LINE}\n{_record(timestamp='NaN')}\n")
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["workload", "import", str(trace), "-o", str(out)])
+    assert result.exit_code == 2 and f"{trace}:2: timestamp" in result.output
+    assert not out.exists()
