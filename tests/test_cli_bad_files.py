@@ -214,7 +214,7 @@ class Case:
     content: bytes | str | None  # None: a directory; "missing": nothing at the path
     suffix: str = ".jsonl"
     line: int | None = None  # the line a record error must name
-    folder_file: str | None = None  # the content goes into {dir}/folder_file, {file} = {dir}
+    folder_file: str | None = None  # the content goes into folder/folder_file; {file}: the folder
 
 
 OUT = ("-o", "{out}")
