@@ -28,7 +28,7 @@ from digest.prompts import (
     review_messages,
     summary_messages,
 )
-from digest.render import write_outputs
+from digest.render import write_listings, write_outputs, write_pages
 from digest.review import InputBasis
 from digest.review_parse import parse_review, review_response_format
 from digest.run_report import RunReport
@@ -172,6 +172,21 @@ def render_date(
         raise LookupError(f"the store has no digest for {digest_date.isoformat()}")
     recent = [d for day in store.digest_dates(RECENT_DIGESTS) if (d := store.load_digest(day))]
     return write_outputs(out_dir, digest, recent, site_url=site_url)
+
+
+def render_all(store: DigestStore, out_dir: Path, site_url: str | None = None) -> list[Path]:
+    """Write every stored date's pages, then the feed and index: a lost output folder back."""
+    days = store.digest_dates(limit=None)
+    if not days:
+        raise LookupError("the store holds no digest yet; run `nightshift digest run` first")
+    written, recent = [], []
+    for day in days:  # newest first
+        digest = store.load_digest(day)
+        assert digest is not None  # a listed date has items
+        written += write_pages(out_dir, digest)
+        if len(recent) < RECENT_DIGESTS:
+            recent.append(digest)
+    return written + write_listings(out_dir, recent, site_url=site_url)
 
 
 def _params(options: RunOptions) -> dict:

@@ -277,20 +277,28 @@ def _guarded(action: Callable[[], T]) -> T:
 @digest_app.command("render")
 def digest_render(
     date_: DateOpt = None,
+    all_dates: Annotated[
+        bool, typer.Option("--all", help="Every stored date (e.g. after losing --out).")
+    ] = False,
     db: DbOpt = None,
     out: OutOpt = None,
     site_url: SiteUrlOpt = None,
 ) -> None:
     """Write a date's pages (and refresh feed and index) from the database; no model calls."""
-    from digest.pipeline import render_date
+    from digest.pipeline import render_all, render_date
     from digest.store import migrate
     from digest.store.database import open_database
     from digest.store.digest_store import DigestStore
+
+    if all_dates and date_:
+        raise _fail("--all and --date exclude each other", EXIT_USAGE)
 
     def render() -> list[Path]:
         engine = open_database(db)
         migrate.upgrade(engine)
         store = DigestStore(engine)
+        if all_dates:
+            return render_all(store, _out_dir(out), site_url)
         day = _digest_date(date_, "render") if date_ else (store.digest_dates(1) or [None])[0]
         if day is None:
             raise LookupError("the store holds no digest yet; run `nightshift digest run` first")

@@ -310,7 +310,8 @@ class DigestStore:
             digest.entries.append(self._entry(item, paper, key))
         return digest
 
-    def digest_dates(self, limit: int = 30) -> list[date]:
+    def digest_dates(self, limit: int | None = 30) -> list[date]:
+        """Dates with a digest, newest first; `limit` None: all of them."""
         with self.session() as s:
             return list(
                 s.scalars(

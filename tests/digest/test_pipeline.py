@@ -27,9 +27,10 @@ TITLES = [
 ]
 
 
-def write_papers(path: Path, titles: list[str] = TITLES) -> Path:
+def write_papers(path: Path, titles: list[str] = TITLES, first: int = 1) -> Path:
+    """A JSONL source of papers 2603.{first:05d}, ... with these titles."""
     with path.open("w") as f:
-        for n, title in enumerate(titles, 1):
+        for n, title in enumerate(titles, first):
             paper = {
                 "id": f"2603.{n:05d}v1",
                 "title": title,

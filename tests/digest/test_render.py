@@ -207,7 +207,8 @@ def test_failed_and_pending_papers_are_listed(rendered: dict[str, str]) -> None:
 
 def test_feed_parses_with_one_entry_per_day(tmp_path: Path) -> None:
     recent = [make_digest(date(2024, 1, d)) for d in (15, 14, 12)]
-    write_outputs(tmp_path, recent[0], recent, site_url="https://example.org/digest/")
+    for n in (2, 1, 0):  # the days in turn, each run rendering its page and the recent ones
+        write_outputs(tmp_path, recent[n], recent[n:], site_url="https://example.org/digest/")
     feed = feedparser.parse((tmp_path / "feed.xml").read_bytes())
     assert not feed.bozo, feed.get("bozo_exception")
     assert [e.link for e in feed.entries] == [

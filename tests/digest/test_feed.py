@@ -1,0 +1,69 @@
+"""What the feed announces, from real runs: only pages that exist, only digests that reviewed a
+paper, and nothing new when a rerun changed nothing."""
+
+from __future__ import annotations
+
+import shutil
+import xml.etree.ElementTree as ET
+from datetime import timedelta
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from digest.pipeline import run_digest
+from nightshift.cli import app
+from tests.digest.fault_server import FaultServer
+from tests.digest.test_pipeline import DAY, options, write_papers
+
+ATOM = "{http://www.w3.org/2005/Atom}"
+runner = CliRunner()
+
+
+def feed_entries(out: Path) -> list[tuple[str, str]]:
+    """(title, link) of each feed entry; every link must name a file in `out`."""
+    root = ET.parse(out / "feed.xml").getroot()
+    entries = []
+    for entry in root.findall(f"{ATOM}entry"):
+        link = entry.find(f"{ATOM}link").get("href")
+        assert (out / link).is_file(), f"the feed links {link}, which does not exist"
+        entries.append((entry.find(f"{ATOM}title").text, link))
+    return entries
+
+
+def test_render_restores_every_date_and_the_feed_links_only_pages_that_exist(tmp_path, db_url):
+    out = tmp_path / "out"
+    with FaultServer() as stub:
+        for day in (DAY - timedelta(days=1), DAY):
+            run_digest(options(tmp_path, db_url, stub.base_url, digest_date=day))
+    assert len(feed_entries(out)) == 2
+    shutil.rmtree(out)  # the output folder is lost; the database is not
+
+    render = ["digest", "render", "--db", db_url, "--out", str(out)]
+    result = runner.invoke(app, [*render, "--date", DAY.isoformat()])
+    assert result.exit_code == 0, result.output
+    assert [link for _, link in feed_entries(out)] == [f"digest-{DAY}.html"]
+
+    result = runner.invoke(app, [*render, "--all"])
+    assert result.exit_code == 0, result.output
+    days = [DAY, DAY - timedelta(days=1)]
+    assert [link for _, link in feed_entries(out)] == [f"digest-{d}.html" for d in days]
+    assert all((out / f"digest-{d}.md").is_file() for d in days)
+    index = (out / "index.html").read_text()
+    assert all(f'href="digest-{d}.html"' in index for d in days)
+
+    both = runner.invoke(app, [*render, "--all", "--date", DAY.isoformat()])
+    assert both.exit_code == 2 and "exclude each other" in both.output
+
+
+def test_a_night_with_the_endpoint_down_is_not_announced(tmp_path, db_url):
+    out = tmp_path / "out"
+    before = DAY - timedelta(days=1)
+    with FaultServer() as stub:
+        run_digest(options(tmp_path, db_url, stub.base_url, digest_date=before))
+    others = str(write_papers(tmp_path / "others.jsonl", ["Another paper"], first=100))
+    down = run_digest(
+        options(tmp_path, db_url, "http://127.0.0.1:9/v1", chat_retries=0, source=others)
+    )
+    assert (down.status, down.papers_done) == ("failed", 0)
+    assert (out / f"digest-{DAY}.html").is_file()  # the page lists what failed
+    assert feed_entries(out) == [("Paper digest 2026-03-09: 4 papers", f"digest-{before}.html")]
