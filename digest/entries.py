@@ -25,6 +25,7 @@ class DigestEntry:
     review_parse_status: ParseStatus | None = None
     input_basis: InputBasis = "abstract"
     error: str | None = None  # why the paper failed, when it did
+    also_in: date | None = None  # the earlier digest that first published this paper
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import date
 from pathlib import Path
+from typing import Literal
 
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
@@ -44,6 +45,7 @@ from digest.summary_text import tidy_summary
 log = logging.getLogger(__name__)
 
 RECENT_DIGESTS = 14  # how many dates the feed and index carry
+Republished = Literal["mark", "skip"]
 
 
 @dataclass(slots=True)
@@ -65,6 +67,8 @@ class RunOptions:
     local_model: str = "default"
     local_server_args: tuple[str, ...] = ()
     redo: tuple[str, ...] = ()  # arXiv ids (no version) whose results are asked for again
+    # A paper published on an earlier date: listed again with a note ("mark"), or left out.
+    republished: Republished = "mark"
     # Where the arXiv sources and the model client are pointed and how patient they are; tests
     # point them at loopback fixtures and shorten the waits.
     arxiv_api_url: str | None = None
@@ -200,6 +204,7 @@ def _params(options: RunOptions) -> dict:
         "concurrency",
         "include_cross",
         "max_input_chars",
+        "republished",
     )
     return {k: v for k, v in asdict(options).items() if k in keep}
 
@@ -223,12 +228,23 @@ def _prepare_inputs(store: DigestStore, options: RunOptions) -> list[PaperInput]
         )
         log.info("%d papers from %s", len(papers), options.source)
         store.upsert_papers(papers)
+        if options.republished == "skip":
+            papers = _skip_republished(store, options.digest_date, papers)
         store.add_items(options.digest_date, papers, options.input_mode)
         # The stored list of the date, not just this fetch: a rerun also finishes papers that an
         # earlier run of the date listed.
         listed = [paper for _, paper in store.items(options.digest_date)]
         budget = _fulltext_budget(options) if options.input_mode == "fulltext" else 0
         return [_paper_input(store, client, options, paper, budget) for paper in listed]
+
+
+def _skip_republished(store: DigestStore, day: date, papers: list[Paper]) -> list[Paper]:
+    """The papers that no earlier digest published; those already listed today stay listed."""
+    earlier = store.published_before(day, [p.arxiv_id for p in papers])
+    if not earlier:
+        return papers
+    log.info("%d papers were published on an earlier date; left out", len(earlier))
+    return [p for p in papers if p.arxiv_id not in earlier]
 
 
 # Room the prompt needs besides the paper text (system text, metadata, task, chat template), and

@@ -71,6 +71,13 @@ SiteUrlOpt = Annotated[
 ]
 CrossOpt = Annotated[bool, typer.Option(help="rss: keep cross-listed announcements too.")]
 MaxCharsOpt = Annotated[int, typer.Option(help="fulltext: truncate the text to this length.")]
+RepublishedOpt = Annotated[
+    str,
+    typer.Option(
+        help="A paper an earlier digest published: 'mark' lists it again with a link to that "
+        "digest, 'skip' leaves it out."
+    ),
+]
 LocalModelOpt = Annotated[
     str,
     typer.Option(help="local: the model the local server loads, 'default' or an HF folder."),
@@ -136,6 +143,7 @@ def _run_options(
     site_url: str | None,
     local_speculation: bool = True,
     local_model: str = "default",
+    republished: str = "mark",
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
@@ -143,6 +151,8 @@ def _run_options(
         raise _fail(f"--input must be abstract or fulltext, not {input_mode!r}", EXIT_USAGE)
     if concurrency < 1:
         raise _fail("--concurrency must be at least 1", EXIT_USAGE)
+    if republished not in ("mark", "skip"):
+        raise _fail(f"--republished must be mark or skip, not {republished!r}", EXIT_USAGE)
     if max_papers is not None and max_papers < 1:
         raise _fail("--max-papers must be at least 1", EXIT_USAGE)
     cats = [c.strip() for c in categories.split(",") if c.strip()]
@@ -168,6 +178,7 @@ def _run_options(
         arxiv_html_url=os.environ.get("NIGHTSHIFT_ARXIV_HTML_URL"),
         site_url=site_url,
         local_model=local_model,
+        republished=republished,  # type: ignore[arg-type]
         local_server_args=LOCAL_SPECULATION if local_speculation else (),
     )
 
@@ -188,6 +199,7 @@ _RUN_FIELDS = (
     "site_url",
     "local_speculation",
     "local_model",
+    "republished",
 )
 
 
@@ -215,6 +227,7 @@ def digest_run(
     site_url: SiteUrlOpt = None,
     local_speculation: LocalSpecOpt = True,
     local_model: LocalModelOpt = "default",
+    republished: RepublishedOpt = "mark",
     redo: Annotated[
         list[str] | None,
         typer.Option(
@@ -332,6 +345,7 @@ def digest_schedule(
     site_url: SiteUrlOpt = None,
     local_speculation: LocalSpecOpt = True,
     local_model: LocalModelOpt = "default",
+    republished: RepublishedOpt = "mark",
 ) -> None:
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
     from digest.schedule import (

@@ -177,6 +177,21 @@ class DigestStore:
                 )
                 position += 1
 
+    def published_before(self, digest_date: date, paper_ids: list[str]) -> dict[str, date]:
+        """The first earlier date on which each of these papers was published (listed and
+        done); papers never published before are absent."""
+        with self.session() as s:
+            rows = s.execute(
+                select(DigestItemRow.paper_id, func.min(DigestItemRow.digest_date))
+                .where(
+                    DigestItemRow.paper_id.in_(paper_ids),
+                    DigestItemRow.digest_date < digest_date,
+                    DigestItemRow.status == "done",
+                )
+                .group_by(DigestItemRow.paper_id)
+            ).all()
+            return dict(rows)
+
     def items(self, digest_date: date) -> list[tuple[DigestItemRow, Paper]]:
         with self.session() as s:
             rows = s.execute(
@@ -305,9 +320,12 @@ class DigestStore:
         prompt_version = prompt_version or (last.prompt_version if last else "")
         generated_at = (last.finished_at or last.started_at) if last else utcnow()
         digest = DailyDigest(digest_date, model, prompt_version, _as_utc(generated_at))
+        earlier = self.published_before(digest_date, [paper.arxiv_id for _, paper in items])
         for item, paper in items:
             key = WorkKey(model, prompt_version, item.input_basis)  # type: ignore[arg-type]
-            digest.entries.append(self._entry(item, paper, key))
+            entry = self._entry(item, paper, key)
+            entry.also_in = earlier.get(paper.arxiv_id)
+            digest.entries.append(entry)
         return digest
 
     def digest_dates(self, limit: int | None = 30) -> list[date]:

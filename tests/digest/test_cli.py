@@ -110,6 +110,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(tmp_path, sqlite_url):
         (["--concurrency", "0"], "--concurrency must be at least 1"),
         (["--db", "nonsense"], "not a database URL"),
         (["--redo", "not-an-id"], "--redo: not an arXiv identifier"),
+        (["--republished", "hide"], "--republished must be mark or skip"),
         (["--redo", "2603.99999v2"], "--redo 2603.99999: the digest of 2026-03-10 does not list"),
     ]
     for extra, message in cases:

@@ -67,3 +67,43 @@ def test_a_night_with_the_endpoint_down_is_not_announced(tmp_path, db_url):
     assert (down.status, down.papers_done) == ("failed", 0)
     assert (out / f"digest-{DAY}.html").is_file()  # the page lists what failed
     assert feed_entries(out) == [("Paper digest 2026-03-09: 4 papers", f"digest-{before}.html")]
+
+
+def test_a_paper_published_earlier_is_marked_or_skipped(tmp_path, db_url):
+    out = tmp_path / "out"
+    before = DAY - timedelta(days=1)
+    # The second night's source repeats two papers of the first (a replacement, a cross-list).
+    first = write_papers(tmp_path / "first.jsonl", ["Old one", "Old two"], first=1)
+    second = tmp_path / "second.jsonl"
+    second.write_text(
+        first.read_text() + write_papers(tmp_path / "new.jsonl", ["New one"], 3).read_text()
+    )
+    with FaultServer() as stub:
+        run_digest(options(tmp_path, db_url, stub.base_url, digest_date=before, source=str(first)))
+        calls = len(stub.requests)
+        run_digest(options(tmp_path, db_url, stub.base_url, source=str(second)))
+        assert len(stub.requests) - calls == 2  # only the new paper: the others' results stand
+    html = (out / f"digest-{DAY}.html").read_text()
+    link = f'Also in the <a href="digest-{before}.html#2603.00001">digest of {before}</a>.'
+    assert link in html and html.count("Also in the") == 2
+    assert (
+        f"Also in the [digest of {before}](digest-{before}.md)."
+        in (out / f"digest-{DAY}.md").read_text()
+    )
+    assert f"also in {before}" in (out / "feed.xml").read_text()
+    assert "Also in the" not in (out / f"digest-{before}.html").read_text()
+
+    later = DAY + timedelta(days=1)
+    third = tmp_path / "third.jsonl"
+    third.write_text(
+        second.read_text() + write_papers(tmp_path / "newest.jsonl", ["Newest"], 4).read_text()
+    )
+    with FaultServer() as stub:
+        run = options(tmp_path, db_url, stub.base_url, digest_date=later, source=str(third))
+        run.republished = "skip"
+        report = run_digest(run)
+        assert len(stub.requests) == 2
+    # The three published before are left out; the new one is listed, unmarked.
+    assert (report.papers_total, report.papers_done) == (1, 1)
+    page = (out / f"digest-{later}.html").read_text()
+    assert "Newest" in page and "Old one" not in page and "Also in the" not in page
