@@ -140,8 +140,10 @@ class ChatClient:
         seed: int | None = None,
         response_format: dict | None = None,
         frequency_penalty: float | None = None,
+        label: str = "model call",
     ) -> ChatResult:
-        """One completion, retried on transient failures; raises ChatCallError when it gives up."""
+        """One completion, retried on transient failures; raises ChatCallError when it gives up.
+        `label` names the call in log lines (which paper, which request)."""
         started_at, t0 = datetime.now(UTC), time.monotonic()
         attempts = 0
         while True:
@@ -157,7 +159,9 @@ class ChatClient:
                     self.json_schema_supported = True
                 return result
             except _SchemaRejected as e:
-                log.warning("server rejected response_format (%s); continuing without it", e)
+                log.warning(
+                    "%s: server rejected response_format (%s); continuing without it", label, e
+                )
                 self.json_schema_supported = False
                 attempts -= 1  # the server is fine, only the request shape changes
             except _Refused as e:
@@ -166,7 +170,9 @@ class ChatClient:
                 if attempts > self.config.max_retries:
                     raise self._give_up(str(e), e.status_code, attempts, started_at, t0) from e
                 delay = self._backoff(attempts, e.retry_after)
-                log.warning("attempt %d failed (%s); retrying in %.2fs", attempts, e, delay)
+                log.warning(
+                    "%s: attempt %d failed (%s); retrying in %.2fs", label, attempts, e, delay
+                )
                 await asyncio.sleep(delay)
 
     def _body(

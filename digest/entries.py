@@ -5,7 +5,9 @@ Renderers take these plain objects, never database rows, so that `digest render`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
 from datetime import date, datetime
 from typing import Literal
 
@@ -43,3 +45,17 @@ class DailyDigest:
     @property
     def failed(self) -> list[DigestEntry]:
         return [e for e in self.entries if e.status != "done"]
+
+    def fingerprint(self) -> str:
+        """A hash of everything the pages show except the time: equal fingerprints, equal
+        digests (a rerun that changed nothing must not look new in the feed)."""
+        content = {
+            "model": self.model,
+            "prompt_version": self.prompt_version,
+            "entries": [
+                {**asdict(entry), "review": entry.review.model_dump() if entry.review else None}
+                for entry in self.entries
+            ],
+        }
+        text = json.dumps(content, sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()

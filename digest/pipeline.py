@@ -52,7 +52,9 @@ Republished = Literal["mark", "skip"]
 class RunOptions:
     digest_date: date
     out_dir: Path
-    categories: list[str] = field(default_factory=lambda: ["cs.CL", "cs.LG"])
+    # The arXiv categories to fetch (None: the sources' default) or, for a file, to keep (None:
+    # every paper in it).
+    categories: list[str] | None = None
     max_papers: int | None = None
     source: str = "arxiv"  # arxiv | rss | a file path
     input_mode: InputBasis = "abstract"
@@ -135,7 +137,9 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
         status = "partial" if failed else "succeeded"
         if failed and len(failed) == len(items):
             status = "failed"
-        run = store.finish_run(run_id, status)
+        digest = store.load_digest(options.digest_date)
+        fingerprint = digest.fingerprint() if digest else None
+        run = store.finish_run(run_id, status, content_hash=fingerprint)
         outputs = render_date(store, options.digest_date, options.out_dir, options.site_url)
     cached = sum(c.cached_tokens or 0 for c in store.calls(run_id))
     return RunReport(
@@ -442,6 +446,7 @@ class _PaperCalls:
                 seed=0,
                 response_format=response_format,
                 frequency_penalty=frequency_penalty,
+                label=f"{item.paper.arxiv_id} {kind}",
             )
         except ChatCallError as exc:
             record.status, record.error, record.attempts = "error", str(exc), exc.attempts

@@ -42,7 +42,13 @@ DateOpt = Annotated[
         "whose query takes that day's submissions; today (UTC) otherwise.",
     ),
 ]
-CategoriesOpt = Annotated[str, typer.Option(help="arXiv categories, comma-separated.")]
+CategoriesOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="arXiv categories, comma-separated (default cs.CL,cs.LG). With --source FILE: keep "
+        "only the file's papers in any of them (default: every paper in the file)."
+    ),
+]
 MaxPapersOpt = Annotated[int | None, typer.Option(help="Take at most this many papers.")]
 SourceOpt = Annotated[str, typer.Option(help="arxiv (query API), rss (announcements), or FILE.")]
 InputOpt = Annotated[str, typer.Option("--input", help="abstract or fulltext (arXiv HTML).")]
@@ -128,7 +134,7 @@ def _out_dir(value: Path | None) -> Path:
 def _run_options(
     day: date,
     *,
-    categories: str,
+    categories: str | None,
     max_papers: int | None,
     source: str,
     input_mode: str,
@@ -155,8 +161,8 @@ def _run_options(
         raise _fail(f"--republished must be mark or skip, not {republished!r}", EXIT_USAGE)
     if max_papers is not None and max_papers < 1:
         raise _fail("--max-papers must be at least 1", EXIT_USAGE)
-    cats = [c.strip() for c in categories.split(",") if c.strip()]
-    if not cats:
+    cats = None if categories is None else [c.strip() for c in categories.split(",") if c.strip()]
+    if cats is not None and not cats:
         raise _fail("--categories names no category", EXIT_USAGE)
     return RunOptions(
         digest_date=day,
@@ -212,7 +218,7 @@ def _run_fields(values: dict) -> dict:
 @digest_app.command("run")
 def digest_run(
     date_: DateOpt = None,
-    categories: CategoriesOpt = "cs.CL,cs.LG",
+    categories: CategoriesOpt = None,
     max_papers: MaxPapersOpt = None,
     source: SourceOpt = "arxiv",
     input_mode: InputOpt = "abstract",
@@ -330,7 +336,7 @@ def digest_schedule(
     misfire_grace_time: Annotated[
         int, typer.Option(help="Seconds a missed run may still start late.")
     ] = 3600,
-    categories: CategoriesOpt = "cs.CL,cs.LG",
+    categories: CategoriesOpt = None,
     max_papers: MaxPapersOpt = None,
     source: SourceOpt = "arxiv",
     input_mode: InputOpt = "abstract",

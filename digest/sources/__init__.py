@@ -21,6 +21,7 @@ from digest.sources.polite_http import (
 )
 
 __all__ = [
+    "DEFAULT_CATEGORIES",
     "PoliteClient",
     "PoliteHttpConfig",
     "SourceError",
@@ -29,10 +30,13 @@ __all__ = [
 ]
 
 
+DEFAULT_CATEGORIES = ("cs.CL", "cs.LG")
+
+
 def load_papers(
     source: str,
     *,
-    categories: list[str],
+    categories: list[str] | None,
     day: date,
     max_papers: int | None,
     client: PoliteClient | None = None,
@@ -41,10 +45,17 @@ def load_papers(
     rss_url: str = RSS_URL,
 ) -> list[Paper]:
     """Papers from `source`: "arxiv" (the API, papers submitted on `day` UTC), "rss" (the latest
-    announcement day; `day` is not used), or else the path of a local file (all its papers).
+    announcement day; `day` is not used), or else the path of a local file (all its papers, or
+    those in any of `categories` when given). The feeds default to DEFAULT_CATEGORIES.
     Their text is cleaned of what XML and PostgreSQL cannot hold, whatever the source."""
     if source not in ("arxiv", "rss"):
-        return [clean_paper(p) for p in load_papers_file(Path(source), max_papers)]
+        papers = load_papers_file(Path(source), None if categories else max_papers)
+        if categories:
+            wanted = set(categories)
+            papers = [p for p in papers if wanted.intersection(p.categories)][:max_papers]
+        return [clean_paper(p) for p in papers]
+    if categories is None:
+        categories = list(DEFAULT_CATEGORIES)
     own_client = client is None
     client = client or PoliteClient()
     try:

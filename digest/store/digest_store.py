@@ -98,7 +98,13 @@ class DigestStore:
             )
             return result.rowcount
 
-    def finish_run(self, run_id: int, status: str, error: str | None = None) -> RunRow:
+    def finish_run(
+        self,
+        run_id: int,
+        status: str,
+        error: str | None = None,
+        content_hash: str | None = None,
+    ) -> RunRow:
         with self._session.begin() as s:
             run = s.get(RunRow, run_id)
             assert run is not None
@@ -120,6 +126,7 @@ class DigestStore:
             run.papers_done = counts.get("done", 0)
             run.papers_failed = run.papers_total - run.papers_done
             run.status, run.error, run.finished_at = status, error, utcnow()
+            run.content_hash = content_hash
             return run
 
     def runs_for(self, digest_date: date) -> list[RunRow]:
@@ -318,8 +325,7 @@ class DigestStore:
         last = runs[-1] if runs else None
         model = model or (last.model if last else "")
         prompt_version = prompt_version or (last.prompt_version if last else "")
-        generated_at = (last.finished_at or last.started_at) if last else utcnow()
-        digest = DailyDigest(digest_date, model, prompt_version, _as_utc(generated_at))
+        digest = DailyDigest(digest_date, model, prompt_version, _as_utc(_changed_at(runs)))
         earlier = self.published_before(digest_date, [paper.arxiv_id for _, paper in items])
         for item, paper in items:
             key = WorkKey(model, prompt_version, item.input_basis)  # type: ignore[arg-type]
@@ -400,6 +406,22 @@ class DigestStore:
                 s.add(row)
         except IntegrityError:
             pass  # already stored by an earlier (interrupted) run: keep the first
+
+
+def _changed_at(runs: list[RunRow]) -> datetime:
+    """When the digest last changed: the end of the first of the latest runs that all left the
+    same fingerprint (a rerun that changed nothing keeps the time). Runs that ended by an error
+    recorded none and are passed over; without any fingerprint, the last run's time."""
+    hashed = [r for r in runs if r.content_hash and r.finished_at]
+    if not hashed:
+        last = runs[-1] if runs else None
+        return (last.finished_at or last.started_at) if last else utcnow()
+    since = hashed[-1]
+    for run in reversed(hashed):
+        if run.content_hash != since.content_hash:
+            break
+        since = run
+    return since.finished_at  # type: ignore[return-value]
 
 
 def _paper_fields(paper: Paper) -> dict:

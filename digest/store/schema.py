@@ -73,6 +73,9 @@ class RunRow(Base):
     started_at: Mapped[datetime] = mapped_column(UtcDateTime)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
     error: Mapped[str | None] = mapped_column(Text)
+    # The fingerprint of the date's digest as this run left it (None: the run ended by an
+    # error); the digest's time is when the fingerprint last changed (`load_digest`).
+    content_hash: Mapped[str | None] = mapped_column(String(64))
 
 
 class DigestItemRow(Base):

@@ -3,6 +3,7 @@ re-rendering without the model, migrations from the command line."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,9 +132,9 @@ def test_db_commands(sqlite_url):
     result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
     assert result.exit_code == 0 and "current: base (empty)" in result.output
     result = runner.invoke(app, ["db", "upgrade", "--db", sqlite_url])
-    assert result.exit_code == 0 and "database at 0001" in result.output
+    assert result.exit_code == 0 and "database at 0002" in result.output
     result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
-    assert "current: 0001" in result.output and "head:    0001" in result.output
+    assert "current: 0002" in result.output and "head:    0002" in result.output
     result = runner.invoke(app, ["db", "downgrade", "base", "--db", sqlite_url])
     assert result.exit_code == 0 and "database at base" in result.output
 
@@ -155,3 +156,27 @@ def test_schedule_takes_the_run_options_and_names_a_bad_timezone(sqlite_url):
     assert result.exit_code == 2 and "unknown --timezone 'Mars/Olympus'" in result.output
     result = runner.invoke(app, ["digest", "schedule", "--concurrency", "0", "--db", sqlite_url])
     assert result.exit_code == 2 and "--concurrency must be at least 1" in result.output
+
+
+def test_categories_apply_to_a_file_source(tmp_path, sqlite_url):
+    path = tmp_path / "mixed.jsonl"
+    papers = [
+        ("2603.00001", ["cs.CL"]),
+        ("2603.00002", ["cs.CV", "cs.CL"]),
+        ("2603.00003", ["cs.CV"]),
+    ]
+    path.write_text(
+        "".join(
+            json.dumps({"id": pid, "title": f"Paper {pid}", "abstract": "A.", "authors": ["A"],
+                        "categories": cats}) + "\n"
+            for pid, cats in papers
+        )
+    )  # fmt: skip
+    with FaultServer() as stub:
+        args = _run_args(tmp_path, sqlite_url, stub.base_url)
+        args[args.index("--source") + 1] = str(path)
+        result = runner.invoke(app, [*args, "--categories", "cs.CV"])
+    assert result.exit_code == 0, result.output
+    assert "2 listed, 2 done" in result.output
+    page = (tmp_path / "out" / f"digest-{DAY}.html").read_text()
+    assert "2603.00002" in page and "2603.00003" in page and "2603.00001" not in page

@@ -4,6 +4,7 @@ paper, and nothing new when a rerun changed nothing."""
 from __future__ import annotations
 
 import shutil
+import time
 import xml.etree.ElementTree as ET
 from datetime import timedelta
 from pathlib import Path
@@ -12,8 +13,8 @@ from typer.testing import CliRunner
 
 from digest.pipeline import run_digest
 from nightshift.cli import app
-from tests.digest.fault_server import FaultServer
-from tests.digest.test_pipeline import DAY, options, write_papers
+from tests.digest.fault_server import Fault, FaultServer
+from tests.digest.test_pipeline import DAY, TITLES, options, write_papers
 
 ATOM = "{http://www.w3.org/2005/Atom}"
 runner = CliRunner()
@@ -107,3 +108,23 @@ def test_a_paper_published_earlier_is_marked_or_skipped(tmp_path, db_url):
     assert (report.papers_total, report.papers_done) == (1, 1)
     page = (out / f"digest-{later}.html").read_text()
     assert "Newest" in page and "Old one" not in page and "Also in the" not in page
+
+
+def test_a_rerun_that_changes_nothing_leaves_the_feed_as_it_was(tmp_path, db_url):
+    out = tmp_path / "out"
+    faults = [Fault("status", status=400, match=TITLES[0], times=1)]  # one paper fails once
+    with FaultServer(faults=faults) as stub:
+        run_digest(options(tmp_path, db_url, stub.base_url))
+        partial = {name: (out / name).read_bytes() for name in ("feed.xml", f"digest-{DAY}.html")}
+        time.sleep(1.1)  # the feed's times have whole seconds
+        fixed = run_digest(options(tmp_path, db_url, stub.base_url))  # retries the failed one
+        assert fixed.status == "succeeded"
+        done = {name: (out / name).read_bytes() for name in partial}
+        assert done["feed.xml"] != partial["feed.xml"]  # a change is news: a later `updated`
+        time.sleep(1.1)
+        again = run_digest(options(tmp_path, db_url, stub.base_url))
+        assert again.calls == 0
+    assert {name: (out / name).read_bytes() for name in partial} == done
+    result = runner.invoke(app, ["digest", "render", "--db", db_url, "--out", str(out)])
+    assert result.exit_code == 0
+    assert {name: (out / name).read_bytes() for name in partial} == done

@@ -191,6 +191,21 @@ def _rows(db_url: str, table) -> list:
         return list(conn.execute(select(table)))
 
 
+def test_retry_log_lines_name_the_paper_and_the_call(tmp_path, sqlite_url, caplog):
+    faults = [
+        Fault("status", status=503, match=TITLES[2], times=1),
+        Fault("reject_response_format", times=1),
+    ]
+    with FaultServer(faults=faults) as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url, concurrency=1))
+    assert report.status == "succeeded"
+    retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 1 and retries[0].startswith("2603.00003 summary: attempt 1 failed")
+    assert "HTTP 503" in retries[0]
+    (rejected,) = [r.getMessage() for r in caplog.records if "response_format" in r.getMessage()]
+    assert rejected.startswith("2603.00001 review: server rejected response_format")
+
+
 def test_server_without_json_schema_gets_plain_requests(tmp_path, sqlite_url):
     with FaultServer(faults=[Fault("reject_response_format", times=-1)]) as stub:
         report = run_digest(options(tmp_path, sqlite_url, stub.base_url, concurrency=1))

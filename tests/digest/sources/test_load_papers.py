@@ -60,3 +60,16 @@ def test_no_network_is_source_unreachable(make_client):
 def test_feeds_need_categories(client, source):
     with pytest.raises(ValueError, match="no arXiv categories"):
         load_papers(source, categories=[], day=DAY, max_papers=None, client=client)
+
+
+def test_categories_filter_a_file_when_given():
+    path = str(FIXTURES / "papers_cs_2026-03_m3.json")
+    every = load_papers(path, categories=None, day=DAY, max_papers=None)
+    assert len(every) == 3  # no --categories: the whole file
+    cv = load_papers(path, categories=["cs.CV"], day=DAY, max_papers=None)
+    assert [p.arxiv_id for p in cv] == ["2603.11048"]  # cross-lists count, as on arXiv
+    some = load_papers(path, categories=["cs.DS", "cs.CV"], day=DAY, max_papers=1)
+    assert [p.arxiv_id for p in some] == ["2603.11048"]  # --max-papers after the filter
+    later = load_papers(path, categories=["cs.DS"], day=DAY, max_papers=1)
+    assert [p.arxiv_id for p in later] == ["2603.11039"]
+    assert load_papers(path, categories=["math.AG"], day=DAY, max_papers=None) == []
