@@ -45,13 +45,13 @@ def open_database(url: str | None = None) -> Engine:
     shown = parsed.render_as_string(hide_password=True)
     backend = parsed.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
-        raise StoreError(f"unsupported database {parsed.drivername!r} in {shown}: use {SUPPORTED}")
+        raise StoreError(f"cannot open {shown}: unsupported database; use {SUPPORTED}")
     try:
         engine = _open_sqlite(url, parsed.database) if backend == "sqlite" else _open_pg(parsed)
     except (ArgumentError, ImportError) as exc:  # e.g. postgresql+asyncpg without asyncpg
-        raise StoreError(f"cannot use {shown}: {first_line(exc)}; use {SUPPORTED}") from None
+        raise StoreError(f"cannot open {shown}: {first_line(exc)}; use {SUPPORTED}") from None
     except OSError as exc:  # the SQLite file's folder cannot be created
-        raise StoreError(f"cannot open the database {shown}: {exc}") from None
+        raise StoreError(f"cannot open {shown}: {exc}") from None
     _check_connects(engine, shown)
     return engine
 
@@ -70,7 +70,7 @@ def _check_connects(engine: Engine, shown: str) -> None:
     except (DBAPIError, sqlite3.Error) as exc:
         engine.dispose()
         reason = first_line(getattr(exc, "orig", None) or exc)
-        raise StoreError(f"cannot open the database {shown}: {reason}") from None
+        raise StoreError(f"cannot open {shown}: {reason}") from None
 
 
 def first_line(exc: BaseException) -> str:

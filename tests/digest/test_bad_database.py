@@ -68,9 +68,9 @@ def test_schedule_and_db_upgrade_refuse_a_bad_database_at_start(tmp_path):
         cmd = [sys.executable, "-m", "nightshift.cli", *args, "--db", url]
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         assert result.returncode == 2, result.stderr
-        assert result.stderr == (
-            f"error: cannot open the database {url}: file is not a database\n"
-        ), result.stderr
+        assert result.stderr == (f"error: cannot open {url}: file is not a database\n"), (
+            result.stderr
+        )
     assert (tmp_path / "notes.txt").read_text() == "not a database\n"
 
 
