@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 
-from digest.local_server import start_local_server
 from engine.model_fetch import resolve_model
+from engine.server.server_process import start_server_process
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def open_endpoint(
     folder = str(resolve_model(local_model))
     log.info("starting a local nightshift server for %s", name)
     args = ["--model", folder, "--served-model-name", name, *local_args]
-    with start_local_server(args, quiet=not log.isEnabledFor(logging.DEBUG)) as server:
+    with start_server_process(args, quiet=not log.isEnabledFor(logging.DEBUG)) as server:
         log.info("local server ready at %s", server.base_url)
         yield Endpoint(server.base_url, name, None)
 

@@ -2,7 +2,8 @@
 does: the local server is stopped, the run is recorded as failed, the job lock is released (a
 second host need not wait for its lease to expire). Then the process dies by SIGTERM after all,
 which is what systemd and a shell expect of a terminated process. A second SIGTERM during the
-cleanup kills at once; the local server dies with the process either way (`parent_death`)."""
+cleanup kills at once; the local server dies with the process either way
+(`engine.server.parent_death`)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ digest's `--endpoint local` and the tests use to get a real server and to stop i
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -12,6 +13,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
+from engine.server import parent_death
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +58,20 @@ class ServerProcess:
 
 
 def start_server_process(
-    serve_args: list[str], *, timeout_s: float = 300.0, quiet: bool = True
+    serve_args: list[str],
+    *,
+    timeout_s: float = 300.0,
+    quiet: bool = True,
+    die_with_parent: bool = True,
 ) -> ServerProcess:
-    """Start `nightshift serve <serve_args> --port P` and wait until /health answers 200."""
+    """Start `nightshift serve <serve_args> --port P` and wait until /health answers 200.
+    die_with_parent: the server is killed when this process dies, even by `kill -9`
+    (parent_death), so that no multi-GB server is left listening behind a crashed caller."""
     port = free_loopback_port()
     cmd = [sys.executable, "-m", "nightshift.cli", "serve", *serve_args, "--port", str(port)]
     out = subprocess.DEVNULL if quiet else None
-    proc = subprocess.Popen(cmd, stdout=out, stderr=out)
+    launch = parent_death.command(os.getpid(), cmd) if die_with_parent else cmd
+    proc = subprocess.Popen(launch, stdout=out, stderr=out)
     server = ServerProcess(proc, port)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

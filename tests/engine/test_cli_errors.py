@@ -18,13 +18,13 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize(
     "args, words",
     [
-        (["generate", "hi", "--model", "/nonexistent"], ["/nonexistent", "does not exist"]),
+        (["generate", "hi", "--model", "/nonexistent-nightshift-model"], ["/nonexistent-nightshift-model", "does not exist"]),
         (["generate", "hi", "--raw", "--max-tokens", "0", "--model", "{model}"], ["max_tokens"]),
         (["generate", "hi", "--raw", "--top-p", "1e-50", "--model", "{model}"], ["top_p"]),
         (["serve", "--model", "{model}", "--max-num-seqs", "0"], ["max_num_seqs"]),
         (["serve", "--model", "{model}", "--block-size", "3"], ["block_size"]),
-        (["serve", "--model", "/nonexistent"], ["does not exist"]),
-        (["bench", "engine", "--model", "/nonexistent", "--skip-hf"], ["does not exist"]),
+        (["serve", "--model", "/nonexistent-nightshift-model"], ["does not exist"]),
+        (["bench", "engine", "--model", "/nonexistent-nightshift-model", "--skip-hf"], ["does not exist"]),
         (["bench", "engine", "--num-prompts", "0"], None),  # typer's own range error
         (["serve", "--port", "99999999"], None),
     ],

@@ -1,6 +1,7 @@
-"""Run a command that dies with the process that started it: `python -m digest.parent_death PID
-CMD...` asks Linux for SIGKILL when its parent dies (prctl PR_SET_PDEATHSIG), checks that PID is
-still its parent, then becomes CMD (exec keeps the process and the setting).
+"""Run a command that dies with the process that started it:
+`python -m engine.server.parent_death PID CMD...` asks Linux for SIGKILL when its parent dies
+(prctl PR_SET_PDEATHSIG), checks that PID is still its parent, then becomes CMD (exec keeps the
+process and the setting).
 
 The digest's local `nightshift serve` is started this way, so that a digest killed by SIGTERM or
 `kill -9` does not leave a 3 GB server listening behind it. A shim process is used rather than
@@ -28,7 +29,7 @@ def die_with_parent() -> bool:
 
 def command(parent_pid: int, cmd: list[str]) -> list[str]:
     """`cmd` wrapped so that it dies with `parent_pid`."""
-    return [sys.executable, "-m", "digest.parent_death", str(parent_pid), *cmd]
+    return [sys.executable, "-m", "engine.server.parent_death", str(parent_pid), *cmd]
 
 
 def main(argv: list[str]) -> None:
