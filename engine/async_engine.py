@@ -22,7 +22,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.errors import EngineShutdownError, RequestFailedError
+from engine.errors import (
+    STRUCTURED_OUTPUT_FAILED,
+    EngineShutdownError,
+    RequestFailedError,
+    StructuredOutputFailedError,
+)
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -93,7 +98,12 @@ class RequestStream:
             raise item
         if item.error is not None:
             self._done = True
-            raise RequestFailedError(f"request {self.request_id} failed: {item.error}")
+            kind = (
+                StructuredOutputFailedError
+                if item.error.startswith(STRUCTURED_OUTPUT_FAILED)
+                else RequestFailedError
+            )
+            raise kind(f"request {self.request_id} failed: {item.error}")
         self._done = item.finished
         return item
 

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
-from engine.errors import InvalidRequestError
+from engine.errors import STRUCTURED_OUTPUT_FAILED, InvalidRequestError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.loader import load_model, resolve_device, resolve_dtype, resolve_kernels
 from engine.models.model_config import load_model_config
@@ -173,30 +173,33 @@ class EngineCore:
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         n = len(prompt_token_ids)
         if n == 0:
-            raise InvalidRequestError("prompt is empty: at least one token is required")
+            raise InvalidRequestError("prompt is empty: at least one token is required", "prompt")
         vocab = self.model.config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
             )
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
-                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token"
+                f"at most {self.max_model_len - 1} prompt tokens leave room for one output token",
+                "prompt",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
         if n + max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                f"max_model_len {self.max_model_len}"
+                f"max_model_len {self.max_model_len}",
+                "max_tokens",
             )
         blocks = self.kv.blocks_needed(n + max_tokens)
         if blocks > self.num_blocks:
             raise InvalidRequestError(
                 f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs {blocks} KV blocks but the "
                 f"whole pool has {self.num_blocks}; the longest request that fits has "
-                f"{self.max_request_tokens} tokens"
+                f"{self.max_request_tokens} tokens",
+                "max_tokens",
             )
         return max_tokens
 
@@ -330,6 +333,9 @@ class EngineCore:
             request = s.request
             try:
                 self._record(request, s.spec_token_ids, tokens, entries, accepted)
+            except StructuredOutputFailed as e:
+                errors[request.request_id] = str(e)
+                continue
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 logger.exception("request %s: recording its tokens failed", request.request_id)
                 errors[request.request_id] = f"sampling failed: {e}"
@@ -426,17 +432,20 @@ class EngineCore:
         return fill_grammar_mask(matchers, self.grammars.bitmask_words)
 
     def _accept(self, request: Request, token: int) -> None:
-        """Advance the request's grammar; the scheduler ends the request once it is complete."""
-        if not request.matcher.accept(token):
-            # Only reachable when a later filter masked every token the grammar allowed, leaving
-            # the row all -inf. The matcher is now in its error state, which counts as
-            # terminated, so the request ends rather than producing text outside its grammar.
-            logger.warning(
-                "request %s: token %d breaks its grammar (%s); stopping it",
-                request.request_id,
-                token,
-                request.matcher.error,
-            )
+        """Advance the request's grammar; the scheduler ends the request once it is complete.
+        A grammar that breaks fails the request: its text would no longer follow the
+        constraint, and ending it as "stop" would pass that off as a success."""
+        ok = request.matcher.accept(token)
+        if ok and not request.matcher.failed:
+            return
+        # Reachable when llguidance hits one of its limits (too many items, a lexer blow-up:
+        # hostile schemas and regexes), or when a later filter (min_tokens) masked every token
+        # the grammar allowed. The error can quote the whole grammar: keep the log short.
+        error = _short(request.matcher.error.split("\n")[0], 300)
+        logger.warning(
+            "request %s: its grammar broke at token %d: %s", request.request_id, token, error
+        )
+        raise StructuredOutputFailed(f"{STRUCTURED_OUTPUT_FAILED}: {error}")
 
     def _add_prompt_logprobs(self, request: Request, first: int, logits: torch.Tensor) -> None:
         k = request.params.prompt_logprobs or 0
@@ -493,6 +502,14 @@ class EngineCore:
                 gap_s=gap,
             )
         )
+
+
+class StructuredOutputFailed(RuntimeError):
+    """A request's grammar broke while it generated."""
+
+
+def _short(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _row_offsets(items: list[ScheduledRequest]) -> list[int]:

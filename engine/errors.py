@@ -3,7 +3,12 @@ know ValueError still catch them, and the server maps them to HTTP 400."""
 
 
 class InvalidRequestError(ValueError):
-    """A request that can never be served as given (bad parameter, empty or too long prompt)."""
+    """A request that can never be served as given (bad parameter, empty or too long prompt).
+    param: the request field at fault, when one is (the server reports it as the error's param)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidSamplingParamsError(InvalidRequestError):
@@ -26,3 +31,12 @@ class RequestFailedError(RuntimeError):
 class EngineShutdownError(RequestFailedError):
     """The engine is stopping (the server's grace period after SIGTERM ran out) and ended the
     request before it finished."""
+
+
+# How the engine's error text begins when a request's own grammar broke while it generated.
+STRUCTURED_OUTPUT_FAILED = "structured output failed"
+
+
+class StructuredOutputFailedError(RequestFailedError):
+    """The request's structured-output constraint broke while it generated (llguidance hit a
+    limit on a pathological schema or regex): the caller's constraint, not an engine fault."""

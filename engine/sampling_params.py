@@ -63,7 +63,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, value: object, rule: str) -> InvalidSamplingParamsError:
-            return InvalidSamplingParamsError(f"{name} must be {rule}, got {value!r}")
+            return InvalidSamplingParamsError(f"{name} must be {rule}, got {value!r}", param=name)
 
         # Written as "not (valid)" so that NaN, for which every comparison is False, is rejected.
         # Floats are checked as float32 too, the dtype the sampler uses.

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.async_engine import QueueFullError
-from engine.errors import EngineShutdownError, RequestFailedError
+from engine.errors import EngineShutdownError, RequestFailedError, StructuredOutputFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI answers an unknown URL or model
     405: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -73,12 +73,14 @@ def as_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), "rate_limit_exceeded", code="queue_full")
+    if isinstance(e, StructuredOutputFailedError):
+        return APIError(400, str(e), code="structured_output_failed")
     if isinstance(e, EngineShutdownError):
         return APIError(503, str(e), code="shutting_down")
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), code="engine_error")
     if isinstance(e, ValueError):
-        return APIError(400, str(e))
+        return APIError(400, str(e), param=getattr(e, "param", None))
     return APIError(500, f"internal server error: {type(e).__name__}: {e}")
 
 
@@ -104,8 +106,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        response = error_response(e.status_code, str(e.detail), code=e.status_code)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        response = error_response(e.status_code, f"{request.method} {request.url.path}: {e.detail}")
         for name, value in (e.headers or {}).items():
             response.headers[name] = value
         return response

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import InvalidStructuredOutputError
+from engine.errors import InvalidSamplingParamsError, InvalidStructuredOutputError
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import parse_spec
 
@@ -33,7 +33,8 @@ class ResponseFormat(BaseModel):
             return {"json": {"type": "object"}}
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise InvalidStructuredOutputError(
-                "response_format: json_schema.schema is required for type json_schema"
+                "response_format: json_schema.schema is required for type json_schema",
+                "response_format",
             )
         return {"json": self.json_schema.schema_}
 
@@ -103,14 +104,16 @@ class _Sampling(BaseModel):
             if spec is not None
         }
         if len(given) > 1:
-            raise InvalidStructuredOutputError(f"give only one of {', '.join(given)}")
+            raise InvalidStructuredOutputError(
+                f"give only one of {', '.join(given)}", next(iter(given))
+            )
         if not given:
             return None
         ((name, spec),) = given.items()
         try:
             parse_spec(spec)
         except InvalidStructuredOutputError as e:
-            raise InvalidStructuredOutputError(f"{name}: {e}") from None
+            raise InvalidStructuredOutputError(f"{name}: {e}", name) from None
         return spec
 
 
@@ -137,8 +140,19 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
 
     def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        newer = self.max_completion_tokens is not None
+        max_tokens = self.max_completion_tokens if newer else self.max_tokens
+        try:
+            return self.sampling_params(
+                max_tokens, (self.top_logprobs or 0) if self.logprobs else None
+            )
+        except InvalidSamplingParamsError as e:
+            # Errors name the chat API's fields, not the engine's.
+            e.param = {
+                "logprobs": "top_logprobs",
+                "max_tokens": "max_completion_tokens" if newer else "max_tokens",
+            }.get(e.param, e.param)
+            raise
 
 
 class CompletionRequest(_Sampling):
@@ -147,7 +161,9 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens or 16, self.logprobs)
+        return self.sampling_params(
+            16 if self.max_tokens is None else self.max_tokens, self.logprobs
+        )
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

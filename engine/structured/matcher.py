@@ -41,5 +41,11 @@ class RequestMatcher:
         return self.matcher.is_stopped()
 
     @property
+    def failed(self) -> bool:
+        """The matcher broke (an llguidance limit such as too many items, a lexer blow-up): what
+        it allowed since is no longer the grammar's language."""
+        return self.matcher.is_error()
+
+    @property
     def error(self) -> str:
         return self.matcher.get_error()

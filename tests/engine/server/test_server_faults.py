@@ -261,6 +261,32 @@ def test_oversized_or_unrepresentable_asks_are_refused_by_name(server, path, ext
     assert engine.engine.core.requests == {}
 
 
+@pytest.mark.parametrize(
+    "path, extra, param",
+    [
+        ("completions", {"temperature": -1}, "temperature"),
+        ("completions", {"top_p": 1e-50}, "top_p"),
+        ("completions", {"max_tokens": 0}, "max_tokens"),
+        ("completions", {"max_tokens": 10**9}, "max_tokens"),
+        ("completions", {"seed": -1}, "seed"),
+        ("completions", {"stop": [""]}, "stop"),
+        ("completions", {"prompt": [10**9]}, "prompt"),
+        ("completions", {"guided_regex": ""}, "guided_regex"),
+        ("completions", {"guided_json": {"type": 5}}, "guided_json"),
+        ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("chat", {"max_completion_tokens": -3}, "max_completion_tokens"),
+    ],
+)
+def test_a_refusal_names_its_field_in_param(server, path, extra, param):
+    url, _ = server
+    if path == "chat":
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **extra}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    else:
+        r = httpx.post(f"{url}/v1/completions", json={**_completion(), **extra}, timeout=60)
+    assert _assert_openai_error(r, 400)["param"] == param
+
+
 def test_a_body_over_the_limit_is_a_413_announced_or_chunked(model_dir):
     limits = RequestLimits(max_request_bytes=10_000)
     with live_server(model_dir, MODEL, limits=limits, max_model_len=256) as (url, _):
@@ -353,3 +379,41 @@ def test_the_openai_client_sees_typed_errors(server):
     assert "--max-logprobs" in info.value.message
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="Hi")
+
+
+# ----- constraints that break while generating ----------------------------------------------
+
+BROKEN_GRAMMARS = {
+    "5000 choices": {"guided_choice": [f"opt{i}" for i in range(5000)]},
+    "recursive schema": {
+        "guided_json": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    },
+    "huge regex": {"guided_regex": "a{1000000}"},
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_GRAMMARS))
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_breaks_is_an_error_never_a_silent_stop(server, case, stream):
+    """llguidance gives up on these at the first token; the request must say so rather than
+    end with finish_reason "stop" and text outside its constraint."""
+    url, engine = server
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Pick one."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "stream": stream,
+        **BROKEN_GRAMMARS[case],
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+        r.read()
+    if r.status_code == 200:  # the stream had started: its last event is the error
+        events = _sse_events([ln for ln in r.text.splitlines() if ln])
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        error = _assert_openai_error(r, 400)
+    assert error["code"] == "structured_output_failed"
+    assert "structured output failed" in error["message"] and "<state>" not in error["message"]
+    assert engine.engine.core.requests == {}
