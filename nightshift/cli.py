@@ -371,5 +371,43 @@ app.add_typer(db_app, name="db")
 app.add_typer(workload_app, name="workload")
 app.add_typer(capacity_app, name="capacity")
 
+
+
+def run() -> None:
+    """The console script: the app, except that a usage mistake (an unknown option, a value out
+    of range) is one line `error: ...` and exit 2, like every other mistake, rather than click's
+    usage box."""
+    import sys
+
+    try:
+        code = app(standalone_mode=False)
+    except _usage_errors() as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as before
+            typer.echo(e.format_message())
+            sys.exit(2)
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        typer.echo(f"error: {e.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except typer.Abort:
+        typer.echo("aborted", err=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_errors() -> tuple[type[Exception], ...]:
+    """click's UsageError, and typer's own copy of it (typer 0.2x vendors click)."""
+    import click
+
+    kinds: list[type[Exception]] = [click.UsageError]
+    try:
+        from typer._click.exceptions import UsageError
+    except ImportError:
+        pass
+    else:
+        kinds.append(UsageError)
+    return tuple(kinds)
+
+
 if __name__ == "__main__":
-    app()
+    run()

@@ -237,6 +237,12 @@ def create_app(
             for s in streams:
                 await s.aclose()
 
+    def prompt_text(out: RequestOutput) -> str:
+        """What echo repeats: the prompt's text, decoded when it came as token ids."""
+        if out.prompt is not None:
+            return out.prompt
+        return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
     def token_text(token_id: int) -> str:
         return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
 
@@ -364,11 +370,7 @@ def create_app(
     def _completion_choice(
         index: int, body: CompletionRequest, final: RequestOutput, o: CompletionOutput
     ) -> dict:
-        text = (
-            (final.prompt or (tokenizer.decode(final.prompt_token_ids) if tokenizer else ""))
-            if body.echo
-            else ""
-        ) + o.text
+        text = (prompt_text(final) if body.echo else "") + o.text
         logprobs = None
         if o.logprobs is not None:
             logprobs = {
@@ -439,7 +441,7 @@ def create_app(
                     prev = sent.get(key, "")
                     delta = o.text[len(prev) :]
                     if body.echo and key not in sent:
-                        delta = (out.prompt or "") + delta
+                        delta = prompt_text(out) + delta
                     if not delta and o.finish_reason is None:
                         continue
                     sent[key] = o.text

@@ -25,11 +25,12 @@ def resolve_api_key(arg: str | None, key_file: Path | None) -> str | None:
         raise APIKeyError("give --api-key or --api-key-file, not both")
     if key_file is not None:
         try:
-            key = key_file.read_text(encoding="utf-8").strip()
+            lines = key_file.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise APIKeyError(f"--api-key-file {key_file}: cannot read it ({e})") from None
+        key = lines[0].strip() if lines else ""
         if not key:
-            raise APIKeyError(f"--api-key-file {key_file}: the file is empty")
+            raise APIKeyError(f"--api-key-file {key_file}: its first line is empty")
         return key
     return arg or os.environ.get(API_KEY_ENV) or None
 

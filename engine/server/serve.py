@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
+import socket
 import threading
 
 import uvicorn
@@ -37,9 +39,13 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._engine, self._grace_period = engine, grace_period
         self._timer: threading.Timer | None = None
+        self._signals = 0
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._timer is None:
+        """First signal: stop accepting, and end what is left after the grace period. Second:
+        end what is left now (cleanly: error events, 503s). Third: uvicorn's force exit."""
+        self._signals += 1
+        if self._signals == 1:
             self._timer = threading.Timer(
                 self._grace_period,
                 self._engine.fail_all,
@@ -47,16 +53,20 @@ class _Server(uvicorn.Server):
             )
             self._timer.daemon = True
             self._timer.start()
-        super().handle_exit(sig, frame)
+            self.should_exit = True
+        elif self._signals == 2:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._engine.fail_all("the server is shutting down (stopped again)")
+        else:
+            self.should_exit = self.force_exit = True
 
     @contextlib.contextmanager
     def capture_signals(self):
-        previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+        # Not restored afterwards: serve() ignores both signals once it has stopped the engine.
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self.handle_exit)
+        yield
 
 
 def check_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
@@ -81,7 +91,11 @@ def serve(
 ) -> None:
     """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
+    if not (math.isfinite(grace_period) and grace_period >= 0):
+        raise ValueError(f"--grace-period must be a number of seconds >= 0, got {grace_period}")
     check_bind(host, api_key, allow_unauthenticated)
+    # Bound before the model loads: a port in use or a bad host fails at once, in one line.
+    sock = listen_socket(host, port)
     engine = AsyncEngine(config)
     core = engine.engine.core
     name = served_model_name or config.model
@@ -105,6 +119,27 @@ def serve(
             log_level="warning",
             timeout_graceful_shutdown=grace_period + _FLUSH_S,
         )
-        _Server(server_config, engine, grace_period).run()
+        server = _Server(server_config, engine, grace_period)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
+        # The process ends next. Python puts its own handlers back to the default action while
+        # it finalizes (torch's teardown takes a while), so a late second SIGTERM would still
+        # kill it (exit 143); ignored signals stay ignored through that.
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port; OSError names the address (port in use, bad host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock

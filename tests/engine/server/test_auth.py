@@ -57,7 +57,7 @@ def test_key_from_env_or_file(tmp_path, monkeypatch):
     assert resolve_api_key(None, None) == "from-env"
     assert resolve_api_key("from-arg", None) == "from-arg"
     key_file = tmp_path / "key"
-    key_file.write_text("from-file\n")
+    key_file.write_text("from-file\r\na comment on the second line\n")
     assert resolve_api_key(None, key_file) == "from-file"
     with pytest.raises(APIKeyError, match="not both"):
         resolve_api_key("a", key_file)

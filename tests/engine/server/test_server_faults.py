@@ -417,3 +417,14 @@ def test_a_grammar_that_breaks_is_an_error_never_a_silent_stop(server, case, str
     assert error["code"] == "structured_output_failed"
     assert "structured output failed" in error["message"] and "<state>" not in error["message"]
     assert engine.engine.core.requests == {}
+
+
+def test_echo_of_a_token_id_prompt_streams_like_it_answers(server):
+    url, _ = server
+    body = _completion(prompt=[1, 2, 3, 4], echo=True, max_tokens=3)
+    plain = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+        events = _sse_events([ln for ln in r.iter_lines() if ln])
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert streamed == plain["choices"][0]["text"]
+    assert len(streamed) > 0

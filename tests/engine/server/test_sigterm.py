@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from engine.server.server_process import free_loopback_port
 from tests.engine.tiny_models import build_tiny_model
@@ -142,3 +143,78 @@ def _wait_healthy(url: str) -> None:
         except httpx.TransportError:
             time.sleep(0.1)
     raise AssertionError("server did not start")
+
+
+def _start(tmp_path, grace: str) -> tuple[subprocess.Popen, str]:
+    model = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
+    port = free_loopback_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "nightshift.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--port",
+        str(port),
+        "--grace-period",
+        grace,
+        "--max-model-len",
+        "4096",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url)
+    return proc, url
+
+
+def test_a_second_sigterm_on_an_idle_server_still_exits_zero(tmp_path):
+    proc, _ = _start(tmp_path, "5")
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_ends_streams_now_and_cleanly(tmp_path, second):
+    """SIGTERM, then a second signal (Ctrl-C twice) while a stream runs: the stream ends with an
+    error event and [DONE] at once, not after the 60 s grace period, and no traceback."""
+    proc, url = _start(tmp_path, "60")
+    try:
+        lines: list[str] = []
+        body = {
+            "model": "tiny",
+            "prompt": [5, 6, 7],
+            "max_tokens": 4000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as r:
+                lines.extend(ln for ln in r.iter_lines() if ln)
+
+        client = threading.Thread(target=stream)
+        client.start()
+        time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        started = time.monotonic()
+        os.kill(proc.pid, second)
+        client.join(30)
+        assert proc.wait(30) == 0
+        assert time.monotonic() - started < 30
+        assert lines[-1] == "data: [DONE]" and "shutting down" in lines[-2]
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
