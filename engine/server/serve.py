@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import signal
 import socket
 import threading
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server.app import create_app
 from engine.server.auth import API_KEY_ENV, is_loopback
+from engine.server.errors import error_body
 from engine.server.limits import RequestLimits
 
 logger = logging.getLogger(__name__)
@@ -22,6 +26,29 @@ logger = logging.getLogger(__name__)
 # After the grace period, requests still open are ended by the engine (an error event and
 # [DONE] for streams, a 503 otherwise); this long is left for those answers to go out.
 _FLUSH_S = 5.0
+
+
+class JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, except that a request it cannot parse at all (a bad
+    Content-Length, a garbled request line) is answered in OpenAI's error shape too, not with
+    uvicorn's plain-text "Invalid HTTP request received."."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(
+            error_body(f"invalid HTTP request: {msg}", "invalid_request_error")
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 class UnsafeBindError(ValueError):
@@ -94,6 +121,9 @@ def serve(
     if not (math.isfinite(grace_period) and grace_period >= 0):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got {grace_period}")
     check_bind(host, api_key, allow_unauthenticated)
+    # A prompt longer than the model's context is refused by us with its lengths; transformers'
+    # own warning about it would only add a line per hostile request to the log.
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     # Bound before the model loads: a port in use or a bad host fails at once, in one line.
     sock = listen_socket(host, port)
     engine = AsyncEngine(config)
@@ -118,6 +148,7 @@ def serve(
             port=port,
             log_level="warning",
             timeout_graceful_shutdown=grace_period + _FLUSH_S,
+            http=JsonErrorsH11Protocol,
         )
         server = _Server(server_config, engine, grace_period)
         server.run(sockets=[sock])

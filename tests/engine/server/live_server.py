@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.model_fetch import fetch_default_model
 from engine.server.app import create_app
 from engine.server.limits import RequestLimits
+from engine.server.serve import JsonErrorsH11Protocol
 from tests.engine.tiny_models import build_tiny_model
 
 
@@ -49,7 +50,7 @@ def live_server(
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", http=JsonErrorsH11Protocol))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     for _ in range(200):

@@ -428,3 +428,21 @@ def test_echo_of_a_token_id_prompt_streams_like_it_answers(server):
     streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
     assert streamed == plain["choices"][0]["text"]
     assert len(streamed) > 0
+
+
+@pytest.mark.parametrize("length", [b"abc", b"-1"])
+def test_an_unparseable_http_request_gets_an_openai_error_too(server, length):
+    import socket
+
+    url, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n{}"
+        )
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
