@@ -28,7 +28,12 @@ DEEP = "[" * 100_000
 
 def _record(**changes: object) -> str:
     """A trace line: GOOD with fields replaced (None removes one); values are raw JSON text."""
-    fields = {k: json.dumps(v) for k, v in GOOD.items()}
+    return _json_line(GOOD, changes)
+
+
+def _json_line(base: dict, changes: dict) -> str:
+    """base as one JSON object, fields replaced by raw JSON text (None removes one)."""
+    fields = {k: json.dumps(v) for k, v in base.items()}
     for key, value in changes.items():
         if value is None:
             fields.pop(key)
@@ -114,13 +119,7 @@ PROFILE_GOOD = {
 
 
 def _step(**changes: object) -> str:
-    fields = {k: json.dumps(v) for k, v in PROFILE_GOOD.items()}
-    for key, value in changes.items():
-        if value is None:
-            fields.pop(key)
-        else:
-            fields[key] = str(value)
-    return "{" + ", ".join(f'"{k}": {v}' for k, v in fields.items()) + "}"
+    return _json_line(PROFILE_GOOD, changes)
 
 
 # Step profiles (calibrate): the bad step on line 2.

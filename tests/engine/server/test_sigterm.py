@@ -16,8 +16,19 @@ from engine.server.server_process import free_loopback_port
 from tests.engine.tiny_models import build_tiny_model
 
 
-def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
-    model = build_tiny_model("llama", tmp_path / "m")
+def _wait_healthy(url: str) -> None:
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("server did not start")
+
+
+def _start(tmp_path, grace: str) -> tuple[subprocess.Popen, str]:
+    """`nightshift serve` on a tiny model (4096-token context) with this grace period, healthy."""
+    model = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
     port = free_loopback_port()
     cmd = [
         sys.executable,
@@ -31,21 +42,19 @@ def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
         "--port",
         str(port),
         "--grace-period",
-        "20",
+        grace,
         "--max-model-len",
-        "512",
+        "4096",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url)
+    return proc, url
+
+
+def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
+    proc, url = _start(tmp_path, "20")
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server did not start")
         lines: list[str] = []
         body = {
             "model": "tiny",
@@ -79,29 +88,8 @@ def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
 def test_grace_period_over_ends_requests_cleanly_without_tracebacks(tmp_path):
     """Requests still running when the grace period ends get an answer (a stream: an error
     event and [DONE]; otherwise a 503 in OpenAI's shape), and the log has no traceback."""
-    # 4000 tokens take several seconds, far past the 0.5 s grace period.
-    model = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
-    port = free_loopback_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "nightshift.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--port",
-        str(port),
-        "--grace-period",
-        "0.5",
-        "--max-model-len",
-        "4096",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = _start(tmp_path, "0.5")  # 4000 tokens take far longer than 0.5 s
     try:
-        _wait_healthy(url)
         body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 4000, "ignore_eos": True}
         results: dict[str, object] = {}
 
@@ -133,41 +121,6 @@ def test_grace_period_over_ends_requests_cleanly_without_tracebacks(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def _wait_healthy(url: str) -> None:
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise AssertionError("server did not start")
-
-
-def _start(tmp_path, grace: str) -> tuple[subprocess.Popen, str]:
-    model = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=4096)
-    port = free_loopback_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "nightshift.cli",
-        "serve",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--port",
-        str(port),
-        "--grace-period",
-        grace,
-        "--max-model-len",
-        "4096",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(url)
-    return proc, url
 
 
 def test_a_second_sigterm_on_an_idle_server_still_exits_zero(tmp_path):
