@@ -372,7 +372,6 @@ app.add_typer(workload_app, name="workload")
 app.add_typer(capacity_app, name="capacity")
 
 
-
 def run() -> None:
     """The console script: the app, except that a usage mistake (an unknown option, a value out
     of range) is one line `error: ...` and exit 2, like every other mistake, rather than click's
