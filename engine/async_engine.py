@@ -153,12 +153,6 @@ class AsyncEngine:
         with self._lock:
             return self._unadded_samples + len(self.engine.core.scheduler.waiting)
 
-    def _num_unfinished_samples(self) -> int:
-        # waiting is read before running: a request moving from one to the other in between is
-        # counted twice (high), never missed.
-        sched = self.engine.core.scheduler
-        return self._unadded_samples + len(sched.waiting) + len(sched.running)
-
     def submit(
         self,
         request_id: str,
@@ -171,8 +165,7 @@ class AsyncEngine:
     ) -> RequestStream:
         """Queue a request now (call it on the event loop's thread). prompt_text: the text of a
         prompt given as token ids, reported back as RequestOutput.prompt. max_waiting: refuse
-        with QueueFullError when, with this request's samples, more than that many would wait
-        for a free sequence slot (max_num_seqs of them run at once)."""
+        with QueueFullError when this request's samples would make more than that many wait."""
         return self.submit_many([(request_id, prompt, prompt_text)], params, priority, max_waiting)[
             0
         ]
@@ -189,9 +182,8 @@ class AsyncEngine:
             raise RuntimeError("the engine loop is not running")
         samples = params.n * len(prompts)
         with self._lock:
-            slots = self.engine.core.config.max_num_seqs
-            would_wait = self._num_unfinished_samples() + samples - slots
-            if max_waiting is not None and would_wait > max_waiting:
+            waiting = self._unadded_samples + len(self.engine.core.scheduler.waiting)
+            if max_waiting is not None and waiting + samples > max_waiting:
                 raise QueueFullError(max_waiting)
             self._unadded_samples += samples
         loop = asyncio.get_running_loop()

@@ -113,7 +113,7 @@ def serve(
     ] = False,
     max_waiting_requests: Annotated[
         int | None,
-        typer.Option(help="Answer 429 when this many samples wait (n=k counts k).", min=0),
+        typer.Option(help="Answer 429 beyond this many waiting samples (n=k counts k).", min=1),
     ] = None,
     max_logprobs: Annotated[
         int,

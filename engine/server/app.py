@@ -61,7 +61,6 @@ def create_app(
         app.add_middleware(APIKeyCheck, api_key=api_key)  # outermost: before reading a body
     tokenizer = engine.engine.tokenizer
     max_model_len = engine.engine.core.max_model_len
-    max_num_seqs = engine.engine.core.config.max_num_seqs
     # No prompt longer than this can fit, whatever it says: no token covers more characters.
     max_prompt_chars = max_model_len * _max_token_chars(tokenizer)
     metrics = ServerMetrics(engine)
@@ -117,13 +116,13 @@ def create_app(
         rid: str, prompts: list[tuple[list[int], str | None]], params
     ) -> list[RequestStream]:
         samples = params.n * len(prompts)
-        most = None if max_waiting_requests is None else max_waiting_requests + max_num_seqs
-        if most is not None and samples > most:
+        if max_waiting_requests is not None and samples > max_waiting_requests:
+            # Every admitted sample waits until the scheduler takes it: more than the limit
+            # would overflow the queue even when it is empty.
             raise APIError(
                 400,
-                f"n x prompts = {samples} samples, more than this server ever admits at once "
-                f"({max_num_seqs} running + {max_waiting_requests} waiting, set by "
-                "--max-num-seqs and --max-waiting-requests)",
+                f"n x prompts = {samples} samples, over this server's waiting limit of "
+                f"{max_waiting_requests} (set by --max-waiting-requests), so it is never admitted",
                 param="n",
                 code="limit_exceeded",
             )

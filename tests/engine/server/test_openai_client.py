@@ -258,26 +258,30 @@ def test_metrics(server):
 
 
 def test_full_queue_answers_429(model_dir):
-    """--max-waiting-requests 0 with one sequence slot: the first request runs, a second one
-    while it does would wait, so it gets a 429."""
+    """--max-waiting-requests 1 with one sequence slot: one request runs, one waits, a third
+    would make two wait, so it gets a 429."""
     import threading
 
     from fastapi.testclient import TestClient
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), max_model_len=256, max_num_seqs=1))
-    engine.step_observers.append(lambda _: time.sleep(0.01))  # the first runs for seconds
+    engine.step_observers.append(lambda _: time.sleep(0.005))  # the long ones run for seconds
     try:
-        app = create_app(engine, MODEL, max_waiting_requests=0)
+        app = create_app(engine, MODEL, max_waiting_requests=1)
+        long = {"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": True}
         with TestClient(app) as client:
-            long = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True}
-            first = threading.Thread(
-                target=client.post, args=("/v1/completions",), kwargs={"json": long}
-            )
-            first.start()
-            while engine.num_unfinished == 0:
-                time.sleep(0.01)
+            threads = []
+            for expected_unfinished in (1, 2):
+                t = threading.Thread(
+                    target=client.post, args=("/v1/completions",), kwargs={"json": long}
+                )
+                t.start()
+                threads.append(t)
+                while engine.num_unfinished < expected_unfinished:
+                    time.sleep(0.005)
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
-            first.join(60)
+            for t in threads:
+                t.join(60)
         assert r.status_code == 429 and r.headers["Retry-After"] == "1"
         assert r.json()["error"]["code"] == "queue_full"
     finally:
