@@ -66,10 +66,11 @@ def generate(
 
     # A bad model folder or sampling value: one line and exit 2.
     with user_errors(ValueError):
-        llm = LLM(model=model, dtype=dtype, device=device)
+        # The sampling values first: a bad one is refused before the model loads.
         params = SamplingParams(
             temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens
         )
+        llm = LLM(model=model, dtype=dtype, device=device)
         start = time.perf_counter()
         if raw:
             result = llm.generate([prompt], params)[0]
