@@ -49,6 +49,8 @@ GENERIC: dict[str, bytes | str | None] = {
     "blank": b"\n \n\t\n",
     "utf16": '{"timestamp": 0}\n'.encode("utf-16"),
     "deep_list": DEEP.encode(),
+    # A first line past csv's 128 KiB field limit that is not JSON: format detection reads it.
+    "long_first_line": b"[" * 200_000,
     "deep_object": ('{"a": ' * 100_000).encode(),
     "directory": None,
     "missing": "missing",
