@@ -41,12 +41,14 @@ def _runs(value: str | None) -> set[int] | None:
 
 
 def _write(path: Path, records: list) -> int:
-    from workload.trace import write_trace
+    from workload.trace import UnwritableRecord, write_trace
 
     try:
         return write_trace(path, records)
     except OSError as exc:
         raise fail(f"cannot write {path}: {exc.strerror or exc}") from None
+    except UnwritableRecord as exc:
+        raise fail(f"nothing written to {path}: {exc}") from None
 
 
 def _read(path: Path, check: RecordCheck | None = None) -> list:

@@ -395,3 +395,42 @@ def test_import_never_writes_nan(tmp_path: Path, runner: CliRunner) -> None:
     result = runner.invoke(app, ["workload", "import", str(trace), "-o", str(out)])
     assert result.exit_code == 2 and f"{trace}:2: timestamp" in result.output
     assert not out.exists()
+
+
+SAMPLE = str(Path(__file__).resolve().parent.parent / "capacity" / "data" / "digest_sample.jsonl")
+SYNTH = ("workload", "synth", "--like", SAMPLE, "--papers", "2", "-o", "{out}")
+REPLAY = ("workload", "replay", SAMPLE, "--base-url", DEAD_URL, "--model", "m", "-o", "{out}")
+# Bad options: (command line, a word the error line must hold). Refused before any work.
+BAD_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "synth_negative_seed": ((*SYNTH, "--seed", "-1"), "--seed"),
+    "synth_huge_papers": ((*SYNTH[:4], "--papers", "99999999999", *SYNTH[6:]), "--papers"),
+    "synth_tiny_rate": ((*SYNTH, "--rate", "1e-300"), "--rate"),
+    "synth_subnormal_rate": ((*SYNTH, "--rate", "1e-320"), "--rate"),
+    "synth_nan_rate": ((*SYNTH, "--rate", "nan"), "--rate"),
+    "replay_negative_seed": ((*REPLAY, "--seed", "-1"), "--seed"),
+    "replay_nan_burstiness": (
+        (*REPLAY, "--mode", "poisson", "--rate", "1", "--burstiness", "nan"),
+        "--burstiness",
+    ),
+    "replay_inf_time_scale": ((*REPLAY, "--time-scale", "inf"), "--time-scale"),
+    "replay_nan_duration": ((*REPLAY, "--max-duration", "nan"), "--max-duration"),
+    "replay_nan_timeout": ((*REPLAY, "--request-timeout", "nan"), "--request-timeout"),
+    "replay_zero_max_requests": ((*REPLAY, "--max-requests", "0"), "--max-requests"),
+    "report_negative_seed": ((*REPORT, "--papers", "2", "--seed", "-1"), "--seed"),
+    "report_huge_papers": ((*REPORT, "--papers", "99999999999"), "--papers"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_OPTIONS))
+def test_bad_option_is_one_line_and_exit_2(name: str, tmp_path: Path, runner: CliRunner) -> None:
+    argv, word = BAD_OPTIONS[name]
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "result"
+    result = runner.invoke(app, [part.replace("{out}", str(out)) for part in argv])
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{type(result.exception).__name__}: {result.exception}"
+    )
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and word in errors[0], result.output
+    assert not any((tmp_path / "out").iterdir()), "nothing is written for a bad option"

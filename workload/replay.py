@@ -67,10 +67,23 @@ class ReplayConfig:
             raise ValueError("concurrency must be at least 1")
         if self.mode == "poisson" and not self.rate > 0:
             raise ValueError("mode 'poisson' needs a positive --rate")
-        if self.burstiness <= 0:
-            raise ValueError("burstiness must be positive")
-        if self.time_scale <= 0:
-            raise ValueError("time scale must be positive")
+        if not self.rate > 0:  # inf is "all at once"; NaN is refused here too
+            raise ValueError(f"--rate must be positive, not {self.rate:g}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError("--max-requests must be at least 1")
+        if self.seed < 0:  # numpy's generators take only non-negative seeds
+            raise ValueError(f"--seed must be a non-negative integer, not {self.seed}")
+        # Typer takes "nan" and "inf" as floats: each of these must be a finite positive number.
+        for option, value in (
+            ("--burstiness", self.burstiness),
+            ("--time-scale", self.time_scale),
+            ("--max-duration", self.max_duration_s),
+            ("--request-timeout", self.request_timeout_s),
+        ):
+            if value is not None and not 0 < value < math.inf:
+                raise ValueError(f"{option} must be a positive finite number, not {value:g}")
+        if not 0 <= self.grace_s < math.inf:
+            raise ValueError(f"--grace must be finite seconds >= 0, not {self.grace_s:g}")
 
     def to_json(self) -> dict:
         data = asdict(self)

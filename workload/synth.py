@@ -29,11 +29,14 @@ import numpy as np
 
 from workload.export import BlockIds, prompt_blocks
 from workload.stats import fit_lognormal
-from workload.trace import BLOCK_TOKENS, TraceRecord
+from workload.trace import BLOCK_TOKENS, MAX_TIMESTAMP_MS, TraceRecord
 
 LENGTH_SLACK = (0, -1, 1, -2, 2)  # task-length differences tried when matching by input length
 SHIFT_WINDOW = 32  # earlier anchor-kind calls a call is compared with to find the task shift
 MIN_COMPLETE = 0.5  # complete papers per call of the commonest kind, to trust the grouping
+# The most papers drawn: the records are built in memory (a few hundred bytes and their hash_ids
+# each), so the count must not size memory past a laptop's; 100k papers is ~100x a digest night.
+MAX_PAPERS = 100_000
 Paper = list[TraceRecord]
 
 
@@ -128,11 +131,22 @@ def recorded_papers(records: Sequence[TraceRecord], kinds: list[str], system: in
 
 
 def _arrivals(count: int, rate: float | None, rng: np.random.Generator) -> np.ndarray:
+    """Arrival times (ms), all within the trace format's bound: a rate so low that the last paper
+    would arrive past 2^53 ms is refused rather than written as a trace no reader takes."""
     if rate is None:
         return np.zeros(count)
-    gaps = rng.exponential(1000.0 / rate, size=count)
+    mean_gap = 1000.0 / rate
+    if not math.isfinite(mean_gap):
+        raise SynthError(f"--rate {rate:g} is too low: the gaps between papers overflow")
+    gaps = rng.exponential(mean_gap, size=count)
     gaps[0] = 0.0  # the first paper opens the trace
-    return np.round(np.cumsum(gaps), 3)
+    stamps = np.round(np.cumsum(gaps), 3)
+    if not stamps[-1] <= MAX_TIMESTAMP_MS:  # also NaN
+        raise SynthError(
+            f"--rate {rate:g} is too low: {count} papers would arrive over {stamps[-1]:.3g} ms, "
+            f"past the trace format's {MAX_TIMESTAMP_MS:.3g} ms (2^53)"
+        )
+    return stamps
 
 
 def _lognormal_papers(
@@ -230,8 +244,10 @@ def synth_trace(
     block_size: int = BLOCK_TOKENS,
 ) -> tuple[list[TraceRecord], str]:
     """The synthetic records (by timestamp) and a line saying how they were drawn."""
-    if papers < 1:
-        raise SynthError("--papers must be at least 1")
+    if not 1 <= papers <= MAX_PAPERS:
+        raise SynthError(f"--papers must be from 1 to {MAX_PAPERS:,}, not {papers}")
+    if seed < 0:  # numpy's generators take only non-negative seeds
+        raise SynthError(f"--seed must be a non-negative integer, not {seed}")
     if rate is not None and not (0 < rate < math.inf):
         raise SynthError("--rate must be positive (papers per second)")
     if not source:

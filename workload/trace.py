@@ -26,6 +26,10 @@ MAX_TOKENS = 10_000_000
 MAX_TIMESTAMP_MS = 2**53
 HASH_ID_RANGE = (-(2**63), 2**63 - 1)  # 64-bit ids, as Mooncake's and ours are
 
+class UnwritableRecord(ValueError):
+    """A record that read_trace would refuse: a bug upstream, never written."""
+
+
 RecordCheck = Callable[["TraceRecord"], str | None]  # a problem with a record, or None
 
 
@@ -82,17 +86,29 @@ def read_trace(path: Path, check: RecordCheck | None = None) -> list[TraceRecord
     return records
 
 
+def checked_json(record: TraceRecord, number: int) -> str:
+    """A record's line, after the checks read_trace applies: whatever a command writes, its own
+    reader takes back (UnwritableRecord names the record and the problem otherwise)."""
+    data = record.to_json()
+    try:
+        parse_record(Fields.of(data, "<output>", number))
+        return json.dumps(data, allow_nan=False)
+    except (BadInputFile, ValueError) as exc:
+        problem = exc.problem if isinstance(exc, BadInputFile) else str(exc)
+        raise UnwritableRecord(f"record {number} would not be a valid trace: {problem}") from None
+
+
 def write_trace(path: Path, records: Iterable[TraceRecord]) -> int:
-    """Write records as JSONL (atomically); returns how many. Never NaN or Infinity, which are
-    not JSON: a record holding one is a bug upstream, refused here (ValueError)."""
+    """Write records as JSONL (atomically); returns how many. A record read_trace would refuse
+    (NaN, a timestamp past 2^53 ms, ...) is a bug upstream: UnwritableRecord, nothing written.
+    The folder must exist: a mistyped path is an error, not a new folder tree."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     count = 0
     try:
         with tmp.open("w") as f:
             for record in records:
-                f.write(json.dumps(record.to_json(), allow_nan=False) + "\n")
+                f.write(checked_json(record, count + 1) + "\n")
                 count += 1
     except BaseException:
         tmp.unlink(missing_ok=True)

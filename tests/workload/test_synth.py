@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from nightshift.cli import app
 from workload.export import Call, export_trace
 from workload.synth import SynthError, common_prefix, recorded_papers, synth_trace
-from workload.trace import TraceRecord, read_trace, write_trace
+from workload.trace import TraceRecord, UnwritableRecord, read_trace, write_trace
 
 runner = CliRunner()
 BLOCK = 16
@@ -163,3 +163,22 @@ def test_cli(tmp_path):
     assert len(read_trace(out)) == 14
     bad = runner.invoke(app, args)
     assert bad.exit_code == 2 and bad.output.startswith(f"error: {like}:1: ")
+
+
+def test_arrivals_past_the_format_bound_are_refused():
+    source = _source(papers=5)
+    with pytest.raises(SynthError, match="--rate 1e-300 is too low"):
+        synth_trace(source, 3, rate=1e-300, block_size=BLOCK)
+    with pytest.raises(SynthError, match="--seed"):
+        synth_trace(source, 3, seed=-1, block_size=BLOCK)
+    with pytest.raises(SynthError, match="--papers must be from 1 to 100,000"):
+        synth_trace(source, 10**11, block_size=BLOCK)
+
+
+def test_write_trace_refuses_a_record_its_reader_would(tmp_path):
+    out = tmp_path / "out.jsonl"
+    good = TraceRecord(0.0, 10, 1, [0])
+    for bad in (TraceRecord(1e300, 10, 1, [0]), TraceRecord(0.0, 0, 1), TraceRecord(0.0, 10, -1)):
+        with pytest.raises(UnwritableRecord, match="record 2 would not be a valid trace"):
+            write_trace(out, [good, bad])
+        assert not out.exists() and not list(tmp_path.iterdir())
