@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -54,12 +55,28 @@ def check_endpoint(
     """Validate the endpoint options before any work; returns (model name, endpoint label)."""
     if endpoint == LOCAL:
         return model or local_model_name(local_model), LOCAL
-    if not endpoint.startswith(("http://", "https://")):
-        raise EndpointError(f"--endpoint must be 'local' or an http(s) URL, not {endpoint!r}")
+    check_url(endpoint)
     if not model:
         raise EndpointError("--model is required with --endpoint URL (the server's model name)")
     api_key_from_env(api_key_env)
     return model, endpoint.rstrip("/")
+
+
+def check_url(endpoint: str) -> None:
+    """An http(s) URL with a host and a port from 1 to 65535; otherwise the client fails later,
+    deep inside httpx or asyncio, with a traceback instead of a line."""
+    bad = f"--endpoint must be 'local' or an http(s) URL, not {endpoint!r}"
+    if not endpoint.startswith(("http://", "https://")):
+        raise EndpointError(bad)
+    try:
+        parts = urlsplit(endpoint)
+        host, port = parts.hostname, parts.port  # port: ValueError unless a number <= 65535
+    except ValueError:
+        raise EndpointError(f"{bad}: a bad host or port (1 to 65535)") from None
+    if not host:
+        raise EndpointError(f"{bad}: no host")
+    if port == 0:
+        raise EndpointError(f"{bad}: the port must be from 1 to 65535")
 
 
 @contextmanager

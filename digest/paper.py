@@ -64,3 +64,8 @@ class Paper:
     def html_url(self) -> str:
         """The paper's arXiv HTML rendering (exists for most papers since Dec 2023)."""
         return f"https://arxiv.org/html/{self.arxiv_id}v{self.version}"
+
+
+def papers_count(n: int) -> str:
+    """ "1 paper", "3 papers": for log lines and the report."""
+    return f"{n} paper" if n == 1 else f"{n} papers"

@@ -18,7 +18,7 @@ from typing import Literal
 
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
-from digest.paper import Paper
+from digest.paper import Paper, papers_count
 from digest.progress import ProgressSink
 from digest.prompts import (
     PROMPT_VERSION,
@@ -83,6 +83,24 @@ class RunOptions:
 
 
 @dataclass(slots=True)
+class RunHandle:
+    """The run in progress, for a caller that must end it from another thread (the scheduler
+    stopped by SIGTERM while its worker thread runs): what a run that unwinds does itself."""
+
+    store: DigestStore | None = None
+    lock: JobLock | None = None
+    run_id: int | None = None
+
+    def abandon(self, reason: str) -> None:
+        """Record the run as failed and release the job lock, so that a second host need not
+        wait for the lease to run out."""
+        if self.store is not None and self.run_id is not None:
+            self.store.finish_run(self.run_id, "failed", error=reason)
+        if self.lock is not None:
+            self.lock.release()
+
+
+@dataclass(slots=True)
 class PaperInput:
     paper: Paper
     basis: InputBasis
@@ -90,9 +108,13 @@ class PaperInput:
     truncated: bool
 
 
-def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> RunReport:
+def run_digest(
+    options: RunOptions, progress: ProgressSink | None = None, handle: RunHandle | None = None
+) -> RunReport:
     """Run the digest of `options.digest_date`. Raises LockHeld when another run holds the lock,
-    SourceError when the papers cannot be fetched (recorded as a failed run)."""
+    SourceError when the papers cannot be fetched (recorded as a failed run). `handle`, when
+    given, is filled with the run and its lock while they are held."""
+    handle = handle or RunHandle()
     started = time.perf_counter()
     engine = open_database(options.db_url)
     migrate.upgrade(engine)
@@ -100,13 +122,15 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
     model_name, label = check_endpoint(
         options.endpoint, options.model, options.api_key_env, options.local_model
     )
-    with JobLock(engine):
+    with JobLock(engine) as lock:
+        handle.store, handle.lock = store, lock
         if stale := store.mark_stale_runs_interrupted():
             log.info("%d earlier run(s) had died mid-way; resuming their work", stale)
         _check_redo(store, options)
         run_id = store.start_run(
             options.digest_date, _params(options), model_name, label, PROMPT_VERSION
         )
+        handle.run_id = run_id
         try:
             for paper_id in options.redo:
                 log.info("%s: asking the model again (--redo)", paper_id)
@@ -115,7 +139,7 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
             inputs = _prepare_inputs(store, options)
             work = [i for i in inputs if not _is_done(store, i, model_name)]
             _mark_done(store, options.digest_date, run_id, inputs, work)
-            log.info("%d of %d papers need model calls", len(work), len(inputs))
+            log.info("%d of %s need model calls", len(work), papers_count(len(inputs)))
             if work:
                 # The local server starts only now: a finished date, or a run whose source
                 # fails, costs no model load.
@@ -141,6 +165,7 @@ def run_digest(options: RunOptions, progress: ProgressSink | None = None) -> Run
         fingerprint = digest.fingerprint() if digest else None
         run = store.finish_run(run_id, status, content_hash=fingerprint)
         outputs = render_date(store, options.digest_date, options.out_dir, options.site_url)
+        handle.lock = None  # released on leaving the block
     cached = sum(c.cached_tokens or 0 for c in store.calls(run_id))
     return RunReport(
         run_id=run_id,
@@ -230,7 +255,7 @@ def _prepare_inputs(store: DigestStore, options: RunOptions) -> list[PaperInput]
             include_cross=options.include_cross,
             **kwargs,
         )
-        log.info("%d papers from %s", len(papers), options.source)
+        log.info("%s from %s", papers_count(len(papers)), options.source)
         store.upsert_papers(papers)
         if options.republished == "skip":
             papers = _skip_republished(store, options.digest_date, papers)
@@ -247,7 +272,7 @@ def _skip_republished(store: DigestStore, day: date, papers: list[Paper]) -> lis
     earlier = store.published_before(day, [p.arxiv_id for p in papers])
     if not earlier:
         return papers
-    log.info("%d papers were published on an earlier date; left out", len(earlier))
+    log.info("%s published on an earlier date; left out", papers_count(len(earlier)))
     return [p for p in papers if p.arxiv_id not in earlier]
 
 

@@ -22,7 +22,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 
-from digest.pipeline import RunOptions, run_digest
+from digest.pipeline import RunHandle, RunOptions, run_digest
 from digest.run_report import RunReport
 from digest.store.job_lock import LockHeld
 
@@ -72,12 +72,14 @@ class NightlyJob:
     today: Callable[[], date] | None = None
     # Set while a run is in progress: a stop then exits without waiting for it.
     running: threading.Event = field(default_factory=threading.Event)
+    current: RunHandle | None = None  # the run in progress, to end it on a stop
 
     def __call__(self) -> RunReport | None:
         day = (self.today() if self.today else datetime.now(self.tz).date()) - timedelta(days=1)
+        self.current = RunHandle()
         self.running.set()
         try:
-            report = run_digest(replace(self.base, digest_date=day))
+            report = run_digest(replace(self.base, digest_date=day), handle=self.current)
         except LockHeld as exc:
             log.warning("skipping the %s run: %s", day.isoformat(), exc)
             return None
@@ -87,6 +89,7 @@ class NightlyJob:
             return None
         finally:
             self.running.clear()
+            self.current = None
         for line in report.lines():
             log.info("%s", line)
         return report
@@ -141,7 +144,13 @@ def run_scheduler(scheduler: BlockingScheduler) -> None:
     if nightly.running.is_set():
         # The run's worker thread would hold the interpreter's exit until the run ends (hours);
         # its results are stored, so leaving it is safe. A local server dies with the process.
+        # The run is ended as `digest run` ends one on SIGTERM: failed, the lock released.
         log.warning("digest scheduler stopped during a run; rerun that date to finish it")
+        if (current := nightly.current) is not None:
+            try:
+                current.abandon("Terminated: stopped by SIGTERM")
+            except Exception:  # the database went away too: the lease still runs out
+                log.exception("could not record the stopped run")
         logging.shutdown()
         os._exit(0)
     log.info("digest scheduler stopped")

@@ -164,6 +164,8 @@ def _run_options(
     cats = None if categories is None else [c.strip() for c in categories.split(",") if c.strip()]
     if cats is not None and not cats:
         raise _fail("--categories names no category", EXIT_USAGE)
+    _check_source(source)
+    _check_endpoint(endpoint, model, api_key_env, local_model)
     return RunOptions(
         digest_date=day,
         out_dir=_out_dir(out),
@@ -187,6 +189,55 @@ def _run_options(
         republished=republished,  # type: ignore[arg-type]
         local_server_args=LOCAL_SPECULATION if local_speculation else (),
     )
+
+
+def _check_source(source: str) -> None:
+    """A source file is read at start: a bad one is a setup mistake (exit 2), for `digest run`
+    and `digest schedule` alike, not a failed night that systemd retries."""
+    from digest.sources.local_file import load_papers_file
+    from workload.input_file import BadInputFile
+
+    if source in ("arxiv", "rss"):
+        return
+    if not os.path.lexists(source):
+        raise _fail(f"--source must be arxiv, rss or a file; no file {source!r}", EXIT_USAGE)
+    try:
+        load_papers_file(Path(source), None)
+    except BadInputFile as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+
+
+def _check_endpoint(
+    endpoint: str, model: str | None, api_key_env: str | None, local_model: str
+) -> None:
+    from digest.endpoint import EndpointError, check_endpoint
+    from engine.errors import ModelLoadError
+
+    try:
+        check_endpoint(endpoint, model, api_key_env, local_model)
+    except (EndpointError, ModelLoadError) as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+
+
+def _ready_out_dir(out: Path) -> Path:
+    """Create the output folder at start, so that a file in its place or a folder we cannot
+    write is one line before any work, not a traceback after the night's model calls."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _fail(
+            f"--out {out}: cannot create the folder ({exc.strerror or exc})", EXIT_USAGE
+        ) from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise _fail(f"--out {out}: cannot write in that folder", EXIT_USAGE)
+    return out
+
+
+def _start_checks(options: RunOptions) -> None:
+    """What `digest run` and `digest schedule` check before any work: the database, then the
+    output folder (after the database, so that a wrong URL leaves nothing behind)."""
+    _database(options.db_url).dispose()
+    _ready_out_dir(options.out_dir)
 
 
 _RUN_FIELDS = (
@@ -250,6 +301,7 @@ def digest_run(
     # The command's run parameters are the run options (schedule shares them).
     options = _run_options(_digest_date(date_, source), **_run_fields(locals()))
     options.redo = tuple(_paper_id(value) for value in redo or ())
+    _start_checks(options)
     resume = f"stopped by SIGTERM; `digest run --date {options.digest_date}` resumes the run"
     with sigterm_unwinds(resume):
         report = _guarded(lambda: _run_with_progress(options))
@@ -275,7 +327,9 @@ def _guarded(action: Callable[[], T]) -> T:
     from digest.sources.polite_http import SourceError, SourceUnreachable
     from digest.store.database import StoreError, first_line
     from digest.store.job_lock import LockHeld
+    from engine.errors import ModelLoadError
     from engine.server.server_process import ServerStartError
+    from workload.input_file import BadInputFile
 
     try:
         return action()
@@ -285,9 +339,11 @@ def _guarded(action: Callable[[], T]) -> T:
             f"or JSONL with id, title, abstract, authors, categories), e.g. --source {SAMPLE}",
             EXIT_FAILED,
         ) from None
+    except BadInputFile as exc:  # a source file (a SourceError too) that cannot be used
+        raise _fail(str(exc), EXIT_USAGE) from None
     except (SourceError, LockHeld, ServerStartError, LookupError) as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
-    except (EndpointError, StoreError, RedoError) as exc:
+    except (EndpointError, StoreError, RedoError, ModelLoadError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     except DBAPIError as exc:  # the database went away mid-run: often transient, so exit 1
         raise _fail(f"database error: {first_line(exc.orig or exc)}", EXIT_FAILED) from None
@@ -306,14 +362,14 @@ def digest_render(
     """Write a date's pages (and refresh feed and index) from the database; no model calls."""
     from digest.pipeline import render_all, render_date
     from digest.store import migrate
-    from digest.store.database import open_database
     from digest.store.digest_store import DigestStore
 
     if all_dates and date_:
         raise _fail("--all and --date exclude each other", EXIT_USAGE)
+    engine = _database(db)
+    _ready_out_dir(_out_dir(out))
 
     def render() -> list[Path]:
-        engine = open_database(db)
         migrate.upgrade(engine)
         store = DigestStore(engine)
         if all_dates:
@@ -334,7 +390,7 @@ def digest_schedule(
     ] = "02:00",
     timezone: Annotated[str, typer.Option(help="IANA timezone of --at.")] = "UTC",
     misfire_grace_time: Annotated[
-        int, typer.Option(help="Seconds a missed run may still start late.")
+        int, typer.Option(min=1, help="Seconds a missed run may still start late.")
     ] = 3600,
     categories: CategoriesOpt = None,
     max_papers: MaxPapersOpt = None,
@@ -363,8 +419,8 @@ def digest_schedule(
     )
 
     options = _run_options(date.today(), **_run_fields(locals()))
-    # A wrong database URL fails the start (exit 2), not every night at 02:00.
-    _database(db).dispose()
+    # A wrong database URL or output folder fails the start (exit 2), not every night at 02:00.
+    _start_checks(options)
     try:
         scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
     except ScheduleError as exc:
@@ -375,11 +431,11 @@ def digest_schedule(
     run_scheduler(scheduler)
 
 
-def _database(db: str | None) -> Engine:
+def _database(db: str | None, *, create: bool = True) -> Engine:
     from digest.store.database import StoreError, open_database
 
     try:
-        return open_database(db)
+        return open_database(db, create=create)
     except StoreError as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
 
@@ -430,6 +486,6 @@ def db_current(db: DbOpt = None) -> None:
     """Print the database's migration revision and the newest one available."""
     from digest.store import migrate
 
-    engine = _database(db)
+    engine = _database(db, create=False)  # a look must not leave a new empty database behind
     current = _migrating(lambda: migrate.current_revision(engine)) or "base (empty)"
     typer.echo(f"current: {current}\nhead:    {migrate.head_revision()}")

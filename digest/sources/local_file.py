@@ -7,7 +7,6 @@ Every paper in the file is taken, whatever its date: the file is what the user c
 
 from __future__ import annotations
 
-import json
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,71 +15,76 @@ from typing import Any
 from digest.paper import InvalidArxivId, Paper, parse_arxiv_id
 from digest.sources.arxiv_api import keep_latest_versions, normalize_space, parse_atom, unique
 from digest.sources.polite_http import SourceError
+from workload.input_file import BadInputFile, parse_json, read_text, text_lines
 
 REQUIRED_FIELDS = ("id", "title", "abstract", "authors", "categories")
 _ATOM_SUFFIXES = {".xml", ".atom"}
 _JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 
 
+class BadPapersFile(BadInputFile, SourceError):
+    """The file cannot be digested as it is (unreadable, not JSON or Atom, a bad record, no
+    papers): a setup mistake, exit 2, unlike a source that fails on the night (exit 1)."""
+
+
 def load_papers_file(path: Path, max_papers: int | None) -> list[Paper]:
-    """The file's papers in file order, one per arXiv id (highest version), up to `max_papers`."""
+    """The file's papers in file order, one per arXiv id (highest version), up to `max_papers`.
+    Raises BadPapersFile naming the file (and the line) when it cannot be used."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            head = f.read(4096)
     except OSError as exc:
-        raise SourceError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        raise BadPapersFile(path, f"cannot read ({exc.strerror or exc})") from None
     suffix = path.suffix.lower()
-    if suffix in _ATOM_SUFFIXES or (suffix not in _JSONL_SUFFIXES and data.lstrip()[:1] == b"<"):
-        papers = parse_atom(data, str(path))
+    if suffix in _ATOM_SUFFIXES or (suffix not in _JSONL_SUFFIXES and head.lstrip()[:1] == b"<"):
+        try:
+            papers = parse_atom(path.read_bytes(), str(path))
+        except SourceError as exc:
+            raise BadPapersFile(path, str(exc).removeprefix(f"{path}: ")) from None
     else:
-        text = _decode(data, path)
-        records = _jsonl_records(text, path) if suffix in _JSONL_SUFFIXES else _json(text, path)
+        # The workload readers' checks: UTF-8 line by line, JSON without the recursion and
+        # giant-integer holes; all of them raise BadInputFile naming the line.
+        try:
+            records = _jsonl_records(path) if suffix in _JSONL_SUFFIXES else _json(path)
+        except BadInputFile as exc:
+            raise BadPapersFile(path, exc.problem, exc.line) from None
         papers = keep_latest_versions(_paper(record, where, path) for where, record in records)
+    if not papers:
+        # An empty file is a wrong path or a failed export, not a quiet night.
+        raise BadPapersFile(path, "no papers in the file")
     return papers[:max_papers]
 
 
-def _decode(data: bytes, path: Path) -> str:
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise SourceError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
-
-
-def _json(text: str, path: Path) -> list[tuple[str, Any]]:
-    try:
-        document = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SourceError(
-            f"{path}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from exc
+def _json(path: Path) -> list[tuple[str, Any]]:
+    text = read_text(path)
+    if not text.strip():
+        return []  # refused below as "no papers", like an empty JSONL file
+    document = parse_json(text, path)
     if isinstance(document, dict) and "papers" in document:
         document = document["papers"]
     if not isinstance(document, list):
-        raise SourceError(f"{path}: expected a list of papers or an object with a 'papers' list")
+        raise BadPapersFile(path, "expected a list of papers or an object with a 'papers' list")
     return [(f"entry {number}", record) for number, record in enumerate(document, start=1)]
 
 
-def _jsonl_records(text: str, path: Path) -> list[tuple[str, Any]]:
-    records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append((f"line {lineno}", json.loads(line)))
-        except json.JSONDecodeError as exc:
-            raise SourceError(f"{path}: invalid JSON at line {lineno}: {exc.msg}") from exc
-    return records
+def _jsonl_records(path: Path) -> list[tuple[str, Any]]:
+    return [
+        (f"line {number}", parse_json(line, path, number))
+        for number, line in text_lines(path)
+        if line.strip()
+    ]
 
 
 def _paper(record: Any, where: str, path: Path) -> Paper:
     if not isinstance(record, dict):
-        raise SourceError(f"{path}: {where} is not an object")
+        raise BadPapersFile(path, f"{where} is not an object")
     for name in REQUIRED_FIELDS:
         if record.get(name) in (None, ""):
-            raise SourceError(f"{path}: {where} has no '{name}'")
+            raise BadPapersFile(path, f"{where} has no '{name}'")
     try:
         arxiv_id, version = parse_arxiv_id(_text(record, "id", where, path))
     except InvalidArxivId as exc:
-        raise SourceError(f"{path}: {where}: {exc}") from exc
+        raise BadPapersFile(path, f"{where}: {exc}") from None
     return Paper(
         arxiv_id=arxiv_id,
         title=normalize_space(_text(record, "title", where, path)),
@@ -96,7 +100,7 @@ def _paper(record: Any, where: str, path: Path) -> Paper:
 def _text(record: dict[str, Any], name: str, where: str, path: Path) -> str:
     value = record[name]
     if not isinstance(value, str):
-        raise SourceError(f"{path}: {where}: '{name}' must be a string")
+        raise BadPapersFile(path, f"{where}: '{name}' must be a string")
     return value
 
 
@@ -106,7 +110,7 @@ def _names(record: dict[str, Any], name: str, separator: str, where: str, path: 
     if isinstance(value, str):
         value = re.split(separator, value)
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise SourceError(f"{path}: {where}: '{name}' must be a list of strings or a string")
+        raise BadPapersFile(path, f"{where}: '{name}' must be a list of strings or a string")
     return unique(normalize_space(item) for item in value)
 
 
@@ -119,6 +123,6 @@ def _time(record: dict[str, Any], name: str, where: str, path: Path) -> datetime
     except ValueError:
         moment = None
     if moment is None:
-        raise SourceError(f"{path}: {where}: '{name}' is not an ISO 8601 time: {value!r}")
+        raise BadPapersFile(path, f"{where}: '{name}' is not an ISO 8601 time: {value!r}")
     # A time without a zone is taken as UTC, the zone arXiv states its times in.
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

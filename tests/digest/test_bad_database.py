@@ -22,6 +22,8 @@ BAD_URLS = {
     "unsupported driver": "mysql://digest@127.0.0.1/digest",
     "driver not installed": "postgresql+asyncpg://digest:secret@127.0.0.1/digest",
     "not a database file": None,  # a text file, filled in below
+    "port not a number": "postgresql+psycopg://postgres@127.0.0.1:abc/x",
+    "unclosed IPv6 host": "postgresql+psycopg://postgres@[::1:5432/x",
 }
 
 

@@ -61,7 +61,7 @@ def test_no_network_fails_fast_and_says_how_to_use_a_file(tmp_path):
     assert "No network?" in result.stderr and "--source FILE" in result.stderr
     assert "export.arxiv.invalid" in result.stderr
     assert elapsed < 20, f"took {elapsed:.1f} s"
-    assert not (tmp_path / "out").exists()
+    assert not any((tmp_path / "out").iterdir())  # checked at start, nothing published
 
 
 def test_partial_success_exit_code_and_render_without_model(tmp_path, sqlite_url):
@@ -113,12 +113,36 @@ def test_bad_arguments_exit_2_with_a_clear_message(tmp_path, sqlite_url):
         (["--redo", "not-an-id"], "--redo: not an arXiv identifier"),
         (["--republished", "hide"], "--republished must be mark or skip"),
         (["--redo", "2603.99999v2"], "--redo 2603.99999: the digest of 2026-03-10 does not list"),
+        (["--endpoint", "http://127.0.0.1:abc/v1"], "a bad host or port"),
+        (["--endpoint", "http://127.0.0.1:99999/v1"], "a bad host or port"),
+        (["--endpoint", "local", "--local-model", "/nonexistent/model"], "does not exist"),
+        (["--out", str(tmp_path / "papers.jsonl")], "cannot create the folder"),
+        (["--out", "/proc/xx"], "cannot create the folder"),
+        (["--db", "postgresql+psycopg://postgres@127.0.0.1:abc/x"], "not a database URL"),
+        (["--db", "postgresql+psycopg://postgres@[::1:5432/x"], "not a database URL"),
+        (["--db", ""], "the database URL is empty"),
+        (["--source", "arxivv"], "--source must be arxiv, rss or a file"),
+        (["--source", str(tmp_path)], "cannot read"),
+        (["--source", str(tmp_path / "missing.jsonl")], "--source must be arxiv, rss or a file"),
+        (["--source", _file(tmp_path, "deep.json", "[" * 100_000)], "nested too deeply"),
+        (["--source", _file(tmp_path, "big.json", "[" + "9" * 5000 + "]")], "5000 digits"),
+        (["--source", _file(tmp_path, "empty.jsonl", "")], "no papers in the file"),
+        (["--source", _file(tmp_path, "bin.jsonl", "\x00\xff")], "binary file"),
+        (["--source", _file(tmp_path, "nan.json", '[{"id": NaN}]')], "has no 'title'"),
+        (["--source", _file(tmp_path, "cut.json", '[{"id": "2603.')], "not JSON"),
+        (["--source", _file(tmp_path, "list.jsonl", "[1, 2]")], "line 1 is not an object"),
     ]
     for extra, message in cases:
         args = _run_args(tmp_path, sqlite_url, "http://127.0.0.1:9/v1") + extra
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (extra, result.output)
         assert message in result.output, (extra, result.output)
+        assert result.output.startswith("error: ") and result.output.count("\n") == 1, result.output
+
+
+def _file(tmp_path, name: str, text: str) -> str:
+    (tmp_path / name).write_text(text)
+    return str(tmp_path / name)
 
 
 def test_render_of_an_empty_store_says_so(tmp_path, sqlite_url):
@@ -129,6 +153,9 @@ def test_render_of_an_empty_store_says_so(tmp_path, sqlite_url):
 
 
 def test_db_commands(sqlite_url):
+    result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
+    assert result.exit_code == 2 and "no database file at" in result.output
+    result = runner.invoke(app, ["db", "upgrade", "base", "--db", sqlite_url])
     result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
     assert result.exit_code == 0 and "current: base (empty)" in result.output
     result = runner.invoke(app, ["db", "upgrade", "--db", sqlite_url])
@@ -156,6 +183,22 @@ def test_schedule_takes_the_run_options_and_names_a_bad_timezone(sqlite_url):
     assert result.exit_code == 2 and "unknown --timezone 'Mars/Olympus'" in result.output
     result = runner.invoke(app, ["digest", "schedule", "--concurrency", "0", "--db", sqlite_url])
     assert result.exit_code == 2 and "--concurrency must be at least 1" in result.output
+    # The start refuses what `digest run` refuses, instead of waiting for 02:00 to fail.
+    for extra, message in [
+        (["--endpoint", "http://127.0.0.1:8000/v1"], "--model is required"),
+        (["--source", "/nonexistent.jsonl"], "--source must be arxiv, rss or a file"),
+        (["--misfire-grace-time", "-1"], "--misfire-grace-time"),
+        (["--out", "/proc/xx"], "cannot create the folder"),
+    ]:
+        result = runner.invoke(app, ["digest", "schedule", "--db", sqlite_url, *extra])
+        assert result.exit_code == 2 and message in result.output, (extra, result.output)
+
+
+def test_db_current_does_not_create_a_database(tmp_path):
+    path = tmp_path / "brandnew" / "y.db"
+    result = runner.invoke(app, ["db", "current", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 2 and f"no database file at {path}" in result.output
+    assert not (tmp_path / "brandnew").exists()
 
 
 def test_categories_apply_to_a_file_source(tmp_path, sqlite_url):

@@ -294,10 +294,13 @@ def test_endpoint_down_all_night_fails_the_run_but_publishes_the_list(tmp_path, 
 
 
 def test_a_day_without_papers_publishes_an_empty_digest(tmp_path, sqlite_url):
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
+    # A --categories filter that matches none of the file's papers is a quiet night; an empty
+    # file is a bad file (tests/digest/test_cli.py).
+    papers = write_papers(tmp_path / "papers.jsonl")
     with FaultServer() as stub:
-        report = run_digest(options(tmp_path, sqlite_url, stub.base_url, source=str(empty)))
+        opts = options(tmp_path, sqlite_url, stub.base_url, source=str(papers))
+        opts.categories = ["q-bio.NC"]
+        report = run_digest(opts)
         assert stub.requests == []
     assert (report.status, report.papers_total, report.exit_code) == ("succeeded", 0, 0)
     assert (tmp_path / "out" / f"digest-{DAY}.html").exists()

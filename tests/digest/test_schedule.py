@@ -154,3 +154,14 @@ def test_sigterm_during_a_run_stops_the_scheduler_at_once(tmp_path, sqlite_url):
             if proc.poll() is None:
                 proc.kill()
     assert "stopped during a run" in log_path.read_text()
+    # Ended as `digest run` ends on SIGTERM: the run failed, the lock free for the next run.
+    from sqlalchemy import text
+
+    from digest.store.database import open_database
+
+    engine = open_database(sqlite_url)
+    with engine.connect() as conn:
+        runs = conn.execute(text("SELECT status, error FROM runs")).all()
+        locks = conn.execute(text("SELECT holder FROM job_locks")).all()
+    engine.dispose()
+    assert runs == [("failed", "Terminated: stopped by SIGTERM")] and locks == [], (runs, locks)

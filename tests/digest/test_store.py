@@ -189,3 +189,20 @@ def test_job_lock_renews_its_lease(sqlite_url):
 def test_bad_database_url_names_the_problem():
     with pytest.raises(StoreError, match="not a database URL"):
         open_database("not a url")
+
+
+def test_opening_a_new_sqlite_file_waits_for_a_writer_instead_of_failing(tmp_path):
+    # A second process opening a fresh file while the first holds the write lock: switching to
+    # WAL answered "database is locked" at once (no busy wait); it must wait like a writer.
+    import sqlite3
+    import threading
+
+    from digest.store.database import open_database
+
+    path = tmp_path / "fresh.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    threading.Timer(0.5, lambda: holder.execute("COMMIT")).start()
+    open_database(f"sqlite:///{path}").dispose()
+    holder.close()

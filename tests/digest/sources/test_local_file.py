@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from digest.sources.local_file import load_papers_file
+from digest.sources.local_file import BadPapersFile, load_papers_file
 from digest.sources.polite_http import SourceError
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -106,13 +106,13 @@ def test_invalid_json_names_the_line(tmp_path):
     path = write(tmp_path / "bad.json", '[\n  {"id": "2603.00001",\n  "title": }\n]')
     with pytest.raises(SourceError) as caught:
         load_papers_file(path, None)
-    assert str(caught.value) == f"{path}: invalid JSON at line 3 column 12: Expecting value"
+    assert str(caught.value) == f"{path}:3: not JSON: Expecting value (column 12)"
 
 
 def test_invalid_jsonl_names_the_line(tmp_path):
     text = json.dumps(record("2603.00001")) + "\n{broken\n"
     path = write(tmp_path / "bad.jsonl", text)
-    with pytest.raises(SourceError, match=rf"^{path}: invalid JSON at line 2: "):
+    with pytest.raises(SourceError, match=rf"^{path}:2: not JSON: "):
         load_papers_file(path, None)
 
 
@@ -163,3 +163,27 @@ def test_malformed_atom_file(tmp_path):
     path = write(tmp_path / "saved.xml", '<?xml version="1.0"?><feed><title>x</titel></feed>')
     with pytest.raises(SourceError, match=rf"^{path}: malformed feed"):
         load_papers_file(path, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("deep.json", "[" * 100_000 + "]" * 100_000, "not JSON we read: nested too deeply"),
+        ("big.jsonl", '{"id": ' + "9" * 5000 + "}\n", "not JSON we read: an integer of 5000"),
+        ("empty.jsonl", "", "no papers in the file"),
+        ("empty.json", "  \n", "no papers in the file"),
+        ("none.json", "[]", "no papers in the file"),
+        ("nan.json", '[{"id": NaN}]', "entry 1 has no 'title'"),
+        ("binary.jsonl", "\x00\x01", "a NUL byte: a binary file?"),
+    ],
+)
+def test_files_the_workload_readers_refuse_are_one_bad_file_error(tmp_path, name, content, message):
+    path = write(tmp_path / name, content)
+    with pytest.raises(BadPapersFile) as caught:
+        load_papers_file(path, None)
+    assert message in str(caught.value) and str(caught.value).startswith(str(path))
+
+
+def test_a_directory_is_a_bad_file(tmp_path):
+    with pytest.raises(BadPapersFile, match="cannot read"):
+        load_papers_file(tmp_path, None)
