@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import jinja2
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 from capacity.calibrate import Calibration
@@ -119,7 +120,6 @@ def _fields(settings: PlanSettings) -> dict:
 def render(report: Report, out: Path) -> list[Path]:
     """Write out (.html or .md; the other one beside it) and the plots; returns the paths."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     html_path, md_path = out.with_suffix(".html"), out.with_suffix(".md")
     plots = {"scaling": _plot_scaling(report), "kv": _plot_kv(report)}
     written = []
@@ -177,7 +177,7 @@ def _plot_scaling(report: Report) -> bytes:
     ax.set_xlabel("papers per night")
     ax.set_ylabel("makespan on one GPU group (min)")
     ax.set_title(f"{report.model.name}: batch makespan (simulated; estimates)")
-    ax.legend()
+    _legend(ax)
     return _png(fig)
 
 
@@ -199,8 +199,17 @@ def _plot_kv(report: Report) -> bytes:
     ax.set_xlabel("time into the batch (min)")
     ax.set_ylabel("KV blocks in use (%)")
     ax.set_title("KV cache usage over tonight's batch (simulated)")
-    ax.legend(fontsize="small")
+    _legend(ax, fontsize="small")
     return _png(fig)
+
+
+def _legend(ax: Axes, **options: object) -> None:
+    """A legend, or where no GPU fits (nothing drawn) a note: matplotlib warns on stderr about
+    a legend with no entries."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**options)
+    else:
+        ax.text(0.5, 0.5, "no GPU fits", ha="center", va="center", transform=ax.transAxes)
 
 
 def _png(fig: Figure) -> bytes:

@@ -78,7 +78,7 @@ def run_validation(
 ) -> Validation:
     folder = resolve_model(settings.model)
     spec = load_model_spec(folder)
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(exist_ok=True)  # its folder must exist (workload/output_file.py)
     profile = workdir / "train-steps.jsonl"
     profile.unlink(missing_ok=True)
     log.info("replaying the training trace (%d requests) with the step profiler", len(train))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -15,11 +16,24 @@ from nightshift.cli_errors import fail, user_errors
 
 if TYPE_CHECKING:
     from capacity.model_specs import ModelSpec
+    from capacity.planner import PlanSettings
     from workload.trace import RecordCheck, TraceRecord
 
 capacity_app = typer.Typer(no_args_is_help=True, help="Memory, performance and cost planning.")
 
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "capacity" / "data" / "digest_sample.jsonl"
+
+
+def _outputs(files: dict[str, Path], folders: dict[str, Path] | None = None) -> None:
+    """Output paths (option -> path) checked before any work: their folders must exist, and a
+    file option naming a folder is refused rather than written beside it."""
+    from workload.output_file import BadOutputPath, check_file, check_folder
+
+    with user_errors(BadOutputPath):
+        for option, path in files.items():
+            check_file(path, option)
+        for option, path in (folders or {}).items():
+            check_folder(path, option)
 
 
 def _spec(model: str) -> ModelSpec:
@@ -50,6 +64,8 @@ def calibrate(
     from capacity.calibrate import CalibrationError, fit, load_samples
     from capacity.perf import model_costs
 
+    _outputs({"-o": out})
+    _dtype(dtype)
     spec = _spec(model)
     with user_errors():
         samples = load_samples(profile)
@@ -79,7 +95,6 @@ def _giga(seconds_per_unit: float) -> str:
 
 def _write(path: Path, text: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     except OSError as exc:
         raise fail(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -138,11 +153,17 @@ def report(
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
     from capacity.calibrate import load_calibration
     from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
-    from capacity.planner import PlanSettings
     from capacity.report import build_report, render
     from workload.synth import SynthError, synth_trace
     from workload.trace import read_trace
 
+    _outputs({"-o": out})
+    settings = replace(
+        _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
+        deadline_s=_seconds(deadline) if deadline else None,
+        **_prices(api_price_per_mtok),
+    )
+    tps = _ints(tp, "--tp")
     spec = _spec(model)
     fits = _fits(spec.max_position_embeddings, f"{spec.name}'s context")
     path = trace or DEFAULT_TRACE
@@ -160,21 +181,44 @@ def report(
     # Drawn papers combine recorded lengths: an input and an output that each fit may not together.
     if papers is not None and (problem := next(filter(None, map(fits, source)), None)):
         raise fail(f"a paper drawn from {path}: {problem}; try another --seed")
-    settings = PlanSettings(
-        dtype=dtype,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        utilization=utilization,
-        deadline_s=_seconds(deadline) if deadline else None,
-        **_prices(api_price_per_mtok),
-    )
-    result = build_report(spec, source, note, chosen, _ints(tp, "--tp"), settings, cal)
+    result = build_report(spec, source, note, chosen, tps, settings, cal)
     try:
         written = render(result, out)
     except OSError as exc:
         raise fail(f"cannot write {out}: {exc.strerror or exc}") from None
     for name in written:
         typer.echo(f"wrote {name}")
+
+
+def _dtype(dtype: str) -> None:
+    from capacity.memory import WEIGHT_FORMATS, MemoryPlanError, normalize_dtype
+
+    try:
+        normalize_dtype(dtype, WEIGHT_FORMATS)
+    except MemoryPlanError as exc:
+        raise fail(f"--dtype: {exc}") from None
+
+
+def _settings(dtype: str, max_num_seqs: int, max_batched: int, utilization: float) -> PlanSettings:
+    """The planner's settings from report's options, each checked: a bad one would otherwise
+    show up only as a table cell ("does not fit") or a $nan cost, with exit code 0."""
+    from capacity.planner import PlanSettings
+
+    _dtype(dtype)
+    if not 0 < utilization <= 1:  # also NaN
+        raise fail(f"--utilization must be a fraction in (0, 1], not {utilization:g}")
+    for option, value in (
+        ("--max-num-seqs", max_num_seqs),
+        ("--max-num-batched-tokens", max_batched),
+    ):
+        if value < 1:
+            raise fail(f"{option} must be at least 1, not {value}")
+    return PlanSettings(
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_batched,
+        utilization=utilization,
+    )
 
 
 def _seconds(text: str) -> float:
@@ -205,6 +249,8 @@ def _prices(text: str | None) -> dict:
         price_in, price_out = (float(part) for part in text.split(","))
     except ValueError:
         raise fail(f"--api-price-per-mtok must be IN,OUT (USD), not {text!r}") from None
+    if not all(0 <= price < math.inf for price in (price_in, price_out)):  # also NaN
+        raise fail(f"--api-price-per-mtok must be two finite prices >= 0, not {text!r}")
     return {"api_price_in": price_in, "api_price_out": price_out}
 
 
@@ -226,6 +272,7 @@ def validate(
     from capacity.validate import ValidationSettings, run_validation
     from workload.trace import read_trace
 
+    _outputs({"-o": out}, {"--workdir": workdir})
     if min(num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
         raise fail(
             "--num-kv-blocks, --max-num-seqs, --max-num-batched-tokens and --max-model-len "

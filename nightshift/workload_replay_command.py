@@ -106,9 +106,14 @@ def replay_command(
 ) -> None:
     """Replay a trace against a server: exact prompt and output lengths, streamed and timed."""
     from workload.metrics import parse_slo
+    from workload.output_file import BadOutputPath, check_file, check_folder
     from workload.replay import ReplayConfig, replay
     from workload.trace import read_trace
 
+    with user_errors(BadOutputPath):  # before a request is sent, not after the replay
+        check_file(output, "-o")
+        if plots is not None:
+            check_folder(plots, "--plots")
     if block_size < 1:
         raise fail("--block-size must be at least 1")
     if max_input_length < 1:
@@ -159,7 +164,6 @@ def replay_command(
     with _Progress(total) as on_done:
         result = replay(records, config, prompt_fn, on_done, extra_config=extra)
     try:
-        output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=1) + "\n")
     except OSError as exc:
         raise fail(f"cannot write {output}: {exc.strerror or exc}") from None

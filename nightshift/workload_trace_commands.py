@@ -40,6 +40,19 @@ def _runs(value: str | None) -> set[int] | None:
         raise fail(f"--runs must be run ids separated by commas, not {value!r}") from None
 
 
+def _outputs(files: dict[str, Path | None], folders: dict[str, Path | None] | None = None) -> None:
+    """Output paths (option -> path) checked before any work: their folders must exist."""
+    from workload.output_file import BadOutputPath, check_file, check_folder
+
+    with user_errors(BadOutputPath):
+        for option, path in files.items():
+            if path is not None:
+                check_file(path, option)
+        for option, path in (folders or {}).items():
+            if path is not None:
+                check_folder(path, option)
+
+
 def _write(path: Path, records: list) -> int:
     from workload.trace import UnwritableRecord, write_trace
 
@@ -78,6 +91,7 @@ def export(
     from digest.store.database import default_database_url
     from workload.export import ExportError, export_trace, load_calls
 
+    _outputs({"-o": output})
     day, run_ids = _since(since), _runs(runs)
     if block_size < 1:
         raise fail("--block-size must be at least 1")
@@ -107,6 +121,7 @@ def import_(
     """Convert a public trace into ours."""
     from workload.importers import FORMATS, import_trace
 
+    _outputs({"-o": output})
     if fmt not in ("auto", *FORMATS):
         raise fail(f"unknown format {fmt!r}; use auto, {', '.join(FORMATS)}")
     if block_size is not None and block_size < 1:
@@ -129,12 +144,12 @@ def stats(
     """Count, rate, length percentiles (overall and per kind), prefix reuse, log-normal fits."""
     from workload.stats import format_table, trace_stats
 
+    _outputs({"--json": json_out}, {"--plots": plots})
     records = _read(trace)
     numbers = trace_stats(records)
     typer.echo(format_table(numbers))
     if json_out is not None:
         try:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
             json_out.write_text(json.dumps(numbers.to_json(), indent=2) + "\n")
         except OSError as exc:
             raise fail(f"cannot write {json_out}: {exc.strerror or exc}") from None
@@ -163,6 +178,7 @@ def synth(
     """A trace of N papers drawn from a recorded one ("what if the column doubles")."""
     from workload.synth import SynthError, block_size_problem, synth_trace
 
+    _outputs({"-o": output})
     if block_size < 1:
         raise fail("--block-size must be at least 1")
     source = _read(like, lambda record: block_size_problem(record, block_size))

@@ -290,6 +290,7 @@ CASES = _cases()
 def materialize(case: Case, root: Path) -> tuple[list[str], str]:
     """Write the case's file under root; the command line and the bad file's path."""
     root.mkdir(parents=True, exist_ok=True)
+    (root / "out").mkdir(exist_ok=True)  # an output's folder must exist; it stays empty
     good = root / "good.jsonl"
     good.write_text(f"{GOOD_LINE}\n" * 3)
     path = root / f"bad{case.suffix}"
@@ -338,7 +339,7 @@ def test_bad_file_is_one_line_and_exit_2(case: Case, tmp_path: Path, runner: Cli
         f"{type(result.exception).__name__}: {result.exception}"
     )
     check_output(case, path, result.exit_code, result.output)
-    assert not (tmp_path / "out").exists(), "nothing is written for a bad input"
+    assert not any((tmp_path / "out").iterdir()), "nothing is written for a bad input"
 
 
 def _limited() -> None:
@@ -418,6 +419,18 @@ BAD_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "replay_zero_max_requests": ((*REPLAY, "--max-requests", "0"), "--max-requests"),
     "report_negative_seed": ((*REPORT, "--papers", "2", "--seed", "-1"), "--seed"),
     "report_huge_papers": ((*REPORT, "--papers", "99999999999"), "--papers"),
+    "report_unknown_dtype": ((*REPORT, "--dtype", "fp2"), "--dtype"),
+    "report_utilization_2": ((*REPORT, "--utilization", "2"), "--utilization"),
+    "report_utilization_negative": ((*REPORT, "--utilization", "-1"), "--utilization"),
+    "report_utilization_nan": ((*REPORT, "--utilization", "nan"), "--utilization"),
+    "report_zero_seqs": ((*REPORT, "--max-num-seqs", "0"), "--max-num-seqs"),
+    "report_zero_tokens": ((*REPORT, "--max-num-batched-tokens", "0"), "--max-num-batched-tokens"),
+    "report_nan_price": ((*REPORT, "--api-price-per-mtok", "nan,inf"), "--api-price-per-mtok"),
+    "report_negative_price": ((*REPORT, "--api-price-per-mtok", "-1,1"), "--api-price-per-mtok"),
+    "calibrate_unknown_dtype": (
+        ("capacity", "calibrate", SAMPLE, "--model", MODEL, "--dtype", "fp2", "-o", "{out}"),
+        "--dtype",
+    ),
 }
 
 
@@ -434,3 +447,60 @@ def test_bad_option_is_one_line_and_exit_2(name: str, tmp_path: Path, runner: Cl
     errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and word in errors[0], result.output
     assert not any((tmp_path / "out").iterdir()), "nothing is written for a bad option"
+
+
+# Every output path of every command: (command line with {path}, the option, a file option?).
+OUTPUTS: dict[str, tuple[tuple[str, ...], str, bool]] = {
+    "export": (("workload", "export", "--db", "sqlite:///{root}/n.db", "-o", "{path}"), "-o", True),
+    "import": (("workload", "import", SAMPLE, "-o", "{path}"), "-o", True),
+    "synth": ((*SYNTH[:-1], "{path}"), "-o", True),
+    "stats_json": (("workload", "stats", SAMPLE, "--json", "{path}"), "--json", True),
+    "stats_plots": (("workload", "stats", SAMPLE, "--plots", "{path}"), "--plots", False),
+    "replay": ((*REPLAY[:-1], "{path}"), "-o", True),
+    "replay_plots": ((*REPLAY, "--plots", "{path}"), "--plots", False),
+    "calibrate": (("capacity", "calibrate", SAMPLE, "--model", MODEL, "-o", "{path}"), "-o", True),
+    "report": ((*REPORT[:-1], "{path}"), "-o", True),
+    "validate": (
+        ("capacity", "validate", "--train", SAMPLE, "--test", SAMPLE, "-o", "{path}"),
+        "-o",
+        True,
+    ),
+    "validate_workdir": (
+        ("capacity", "validate", "--train", SAMPLE, "--test", SAMPLE, "--workdir", "{path}"),
+        "--workdir",
+        False,
+    ),
+}
+OUTPUT_CASES = [
+    (name, bad)
+    for name, (_, _, is_file) in OUTPUTS.items()
+    for bad in ("missing_folder", "a_folder")[: 1 + is_file]
+]
+
+
+@pytest.mark.parametrize(("name", "bad"), OUTPUT_CASES, ids=[f"{n}-{b}" for n, b in OUTPUT_CASES])
+def test_bad_output_path_is_refused_first(
+    name: str, bad: str, tmp_path: Path, runner: CliRunner
+) -> None:
+    """An output whose folder does not exist is refused (not created), and a file option that
+    names a folder is refused (not written beside it), before anything is read or sent."""
+    argv, option, _ = OUTPUTS[name]
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "nonexistent" / "x.json" if bad == "missing_folder" else tmp_path / "out"
+    (tmp_path / "out" / "work").mkdir()  # validate's default --workdir, made relative below
+    cwd = os.getcwd()
+    os.chdir(tmp_path / "out")
+    try:
+        root = tmp_path / "out"
+        values = {"path": str(out), "root": str(root), "out": str(root / "r.json")}
+        result = runner.invoke(app, [part.format(**values) for part in argv])
+    finally:
+        os.chdir(cwd)
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        f"{type(result.exception).__name__}: {result.exception}"
+    )
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{option} {out}" in errors[0], result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["work"], "nothing is written"

@@ -63,7 +63,7 @@ def plot_lengths(records: Sequence[TraceRecord], out_dir: Path, title: str = "")
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)  # its folder must exist (workload/output_file.py)
     groups = _groups(records)
     paths = []
     for name, draw, ylabel in (("hist", _histogram, "fraction per bin"), ("cdf", _cdf, "fraction")):

@@ -61,7 +61,7 @@ def plot_throughput(result: dict, path: Path) -> Path:
 
 def plot_replay(result: dict, out_dir: Path) -> list[Path]:
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(exist_ok=True)  # its folder must exist (workload/output_file.py)
     return [
         plot_latency_cdfs(result, out_dir / "latency_cdf.png"),
         plot_throughput(result, out_dir / "throughput.png"),
