@@ -131,3 +131,16 @@ def test_report_command(tmp_path):
         ],
     )
     assert bad.exit_code == 2 and "A100" in bad.output
+
+
+def test_a_report_where_nothing_fits_prints_no_warnings(tmp_path):
+    """Empty plots (no GPU fits) drew a legend of nothing: matplotlib's UserWarning on stderr."""
+    import warnings
+
+    report = build_report(
+        load_model_spec("Llama-3.1-70B"), _trace(), "t", [find_gpu("L4")], [1], PlanSettings()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        paths = render(report, tmp_path / "plan.html")
+    assert all(p.exists() for p in paths)
