@@ -88,6 +88,7 @@ TRACE_RECORDS: dict[str, str] = {
     "cached_nan": _record(cached_tokens="NaN"),
     "cached_bool": _record(cached_tokens="true"),
     "record_list": "[1, 2, 3]",
+    "duplicate_key": GOOD_LINE[:-1] + ', "input_length": 5}',
     "record_string": '"a request"',
 }
 
@@ -106,6 +107,7 @@ CSV_FILES: dict[str, tuple[str, str]] = {  # name -> (--format, text)
     "lengths_zero": ("lengths", LENGTHS_HEAD + "0,54\n"),
     "lengths_float": ("lengths", LENGTHS_HEAD + "1e3,54\n"),
     "lengths_header_only": ("lengths", "num_prefill_tokens,num_decode_tokens\n"),
+    "lengths_spaces": ("lengths", LENGTHS_HEAD + " 5 ,54\n"),
     "lengths_huge_field": ("lengths", LENGTHS_HEAD + "1" * 200_000 + ",3\n"),
 }
 
@@ -504,3 +506,29 @@ def test_bad_output_path_is_refused_first(
     assert len(errors) == 1 and f"{option} {out}" in errors[0], result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["work"], "nothing is written"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"timestamp": "1e400"}, "timestamp 1e400 is out of range"),
+        ({"timestamp": "-1e400"}, "timestamp -1e400 is out of range"),
+        ({"input_length": "1e400"}, "input_length 1e400 is out of range"),
+        ({"timestamp": "Infinity"}, "timestamp is Infinity"),
+    ],
+)
+def test_a_number_past_float_range_is_out_of_range(
+    changes: dict, message: str, tmp_path: Path, runner: CliRunner
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(f"{GOOD_LINE}\n{_record(**changes)}\n")
+    result = runner.invoke(app, ["workload", "stats", str(trace)])
+    assert result.exit_code == 2 and f"{trace}:2: {message}" in result.output, result.output
+
+
+def test_a_duplicate_key_is_named(tmp_path: Path, runner: CliRunner) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(GOOD_LINE[:-1] + ', "input_length": 5}\n')
+    result = runner.invoke(app, ["workload", "stats", str(trace)])
+    assert result.exit_code == 2, result.output
+    assert f"{trace}:1: " in result.output and "'input_length' appears twice" in result.output

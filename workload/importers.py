@@ -106,10 +106,10 @@ def _rows(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
 
 
 def _count(row: dict[str, str], column: str, path: Path, line: int, low: int = 0) -> int:
-    """A token count from low to MAX_TOKENS (trace.py's bound), in ASCII digits: str.isdigit()
-    also takes digits such as '²' that int() refuses, and a length of 10^20 would be 10^20 / block
-    size fresh block ids."""
-    text = row[column].strip()
+    """A token count from low to MAX_TOKENS (trace.py's bound), in ASCII digits only, no spaces or
+    signs (as docs/WORKLOAD.md says): str.isdigit() also takes digits such as '²' that int()
+    refuses, and a length of 10^20 would be 10^20 / block size fresh block ids."""
+    text = row[column]
     digits = text.isascii() and text.isdigit() and len(text) <= 20
     if not digits or not low <= int(text) <= MAX_TOKENS:
         raise BadInputFile(

@@ -6,8 +6,10 @@ and exits 2), never in a traceback, and never in memory or time sized by a numbe
 - text is read line by line as UTF-8 (a leading BOM allowed), each line at most MAX_LINE_BYTES;
   bytes that are not UTF-8 are refused with the line they are on;
 - JSON is Python's reader with its holes closed: nesting deep enough to exhaust the recursion
-  limit, and integers of more than MAX_DIGITS digits (Python refuses past 4300 anyway, with a
-  ValueError of its own), are errors like any other syntax error;
+  limit, integers of more than MAX_DIGITS digits (Python refuses past 4300 anyway, with a
+  ValueError of its own) and an object with a key twice (Python keeps the last) are errors like
+  any other syntax error; a number past a float's range (1e400) is named as such, not as the
+  Infinity Python makes of it;
 - a record's fields are checked one by one (`Fields`): the type, finite numbers (Python's reader
   takes NaN, Infinity and 1e400, which JSON does not allow), integers within explicit bounds."""
 
@@ -69,17 +71,45 @@ def _integer(text: str) -> int:
     return int(text)
 
 
+class _OutOfRange(float):
+    """A number literal past a float's range (1e400): infinite, and remembering how it was
+    written, so that a message says "out of range" rather than "Infinity"."""
+
+    text: str
+
+    def __new__(cls, value: float, text: str) -> _OutOfRange:
+        number = super().__new__(cls, value)
+        number.text = text
+        return number
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else _OutOfRange(value, text)
+
+
+def _object(pairs: list[tuple[str, object]]) -> dict:
+    data = dict(pairs)
+    if len(data) != len(pairs):  # a key twice: which value the writer meant is unknown
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r} appears twice in an object")
+            seen.add(key)
+    return data
+
+
 def parse_json(text: str, path: str | Path, line: int | None = None) -> object:
     """A JSON document; NaN and infinities come back as floats for `Fields` to name."""
     try:
-        return json.loads(text, parse_int=_integer)
+        return json.loads(text, parse_int=_integer, parse_float=_float, object_pairs_hook=_object)
     except json.JSONDecodeError as exc:
         # In a JSONL file `line` is the record's line; a whole-file document has its own lines.
         where = line if line is not None else exc.lineno
         raise BadInputFile(path, f"not JSON: {exc.msg} (column {exc.colno})", where) from None
     except RecursionError:
         raise BadInputFile(path, "not JSON we read: nested too deeply", line) from None
-    except ValueError as exc:  # _integer's
+    except ValueError as exc:  # _integer's, _object's
         raise BadInputFile(path, f"not JSON we read: {exc}", line) from None
 
 
@@ -93,11 +123,20 @@ def read_json(path: str | Path) -> object:
 
 def _show(value: object) -> str:
     """A value as the file spells it (true, null, NaN, Infinity), cut short."""
+    if isinstance(value, _OutOfRange):
+        text = f"{value.text} (out of range)"
+        return text if len(text) <= 40 else text[:37] + "..."
     try:
         text = json.dumps(value)
     except (TypeError, ValueError, RecursionError):  # YAML can hold what JSON cannot
         text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _non_finite(key: str, value: float) -> str:
+    if isinstance(value, _OutOfRange):  # "timestamp 1e400 is out of range"
+        return f"{key} {value.text[:40]} is out of range"
+    return f"{key} is {_show(value)}"
 
 
 @dataclass(slots=True)
@@ -131,7 +170,7 @@ class Fields:
             return value  # type: ignore[return-value]
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             if isinstance(value, float) and not math.isfinite(value):
-                raise self.error(f"{key} is {_show(value)}")  # "input_length is NaN"
+                raise self.error(_non_finite(key, value))  # "input_length is NaN"
             raise self.error(f"{key} must be an integer from {low} to {high}, not {_show(value)}")
         return value
 
@@ -142,7 +181,7 @@ class Fields:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.error(f"{key} must be a number, not {_show(value)}")
         if not math.isfinite(value):
-            raise self.error(f"{key} is {_show(value)}")
+            raise self.error(_non_finite(key, value))
         if not low <= value <= high:
             raise self.error(f"{key} must be from {low:g} to {high:g}, not {_show(value)}")
         return float(value)
