@@ -396,11 +396,12 @@ class _PaperCalls:
         block = paper_block(item.paper, item.basis, item.text, item.truncated)
         try:
             if self.store.summary(pid, key) is None:
-                result = await self._call(
+                result, call = await self._call(
                     item, "summary", summary_messages(block), SUMMARY_MAX_TOKENS
                 )
                 text = tidy_summary(result.text, cut_off=result.finish_reason == "length")
                 if not text:
+                    self.store.record_call(call)
                     raise ChatCallError(
                         "the model returned an empty summary",
                         status_code=None,
@@ -408,7 +409,7 @@ class _PaperCalls:
                         started_at=result.started_at,
                         latency_s=result.latency_s,
                     )
-                self.store.save_summary(item.paper, key, text, self.run_id)
+                self.store.save_summary(item.paper, key, text, self.run_id, call)
             if not _has_review(self.store, pid, key):
                 # Ask for schema-constrained JSON unless this server has said it cannot.
                 fmt = (
@@ -416,7 +417,7 @@ class _PaperCalls:
                     if self.client.json_schema_supported is False
                     else (review_response_format())
                 )
-                result = await self._call(
+                result, call = await self._call(
                     item,
                     "review",
                     review_messages(block, item.basis),
@@ -433,6 +434,7 @@ class _PaperCalls:
                     result.text,
                     parsed.error,
                     self.run_id,
+                    call,
                 )
                 if parsed.review is None:
                     raise _Unparsed(f"review unparsed: {parsed.error}")
@@ -450,7 +452,9 @@ class _PaperCalls:
         max_tokens: int,
         response_format: dict | None = None,
         frequency_penalty: float | None = None,
-    ) -> ChatResult:
+    ) -> tuple[ChatResult, CallRecord]:
+        """The reply and the record of the call. A failed call is recorded here; a successful
+        one is stored by the caller with its result, in one transaction."""
         record = CallRecord(
             run_id=self.run_id,
             paper_id=item.paper.arxiv_id,
@@ -484,5 +488,4 @@ class _PaperCalls:
         record.ttft_s, record.latency_s = result.ttft_s, result.latency_s
         record.started_at, record.attempts = result.started_at, result.attempts
         record.finish_reason = result.finish_reason
-        self.store.record_call(record)
-        return result
+        return result, record

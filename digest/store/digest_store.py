@@ -256,7 +256,11 @@ class DigestStore:
     def review(self, paper_id: str, key: WorkKey) -> ReviewRow | None:
         return self._result(ReviewRow, paper_id, key)
 
-    def save_summary(self, paper: Paper, key: WorkKey, text: str, run_id: int) -> None:
+    def save_summary(
+        self, paper: Paper, key: WorkKey, text: str, run_id: int, call: CallRecord | None = None
+    ) -> None:
+        """Store a summary, with the record of the call that produced it in the same transaction
+        (a kill between the two would otherwise make a rerun ask again and record it twice)."""
         self._insert_once(
             SummaryRow(
                 paper_id=paper.arxiv_id,
@@ -267,7 +271,8 @@ class DigestStore:
                 text=text,
                 run_id=run_id,
                 created_at=utcnow(),
-            )
+            ),
+            call,
         )
 
     def save_review(
@@ -279,8 +284,10 @@ class DigestStore:
         raw_text: str,
         parse_error: str | None,
         run_id: int,
+        call: CallRecord | None = None,
     ) -> None:
-        """Store a review; one that failed to parse is replaced by the next reply."""
+        """Store a review (with its call's record, in one transaction); one that failed to parse
+        is replaced by the next reply."""
         self._delete_result(ReviewRow, paper.arxiv_id, key, only_unparsed=True)
         self._insert_once(
             ReviewRow(
@@ -297,12 +304,13 @@ class DigestStore:
                 decision=review.decision if review else None,
                 run_id=run_id,
                 created_at=utcnow(),
-            )
+            ),
+            call,
         )
 
     def record_call(self, call: CallRecord) -> None:
         with self._session.begin() as s:
-            s.add(ModelCallRow(**{f: getattr(call, f) for f in CallRecord.__slots__}))
+            s.add(_call_row(call))
 
     def calls(self, run_id: int | None = None) -> list[ModelCallRow]:
         with self.session() as s:
@@ -400,12 +408,21 @@ class DigestStore:
         with self._session.begin() as s:
             s.execute(query)
 
-    def _insert_once(self, row: object) -> None:
+    def _insert_once(self, row: object, call: CallRecord | None = None) -> None:
         try:
             with self._session.begin() as s:
                 s.add(row)
+                if call is not None:
+                    s.add(_call_row(call))
         except IntegrityError:
-            pass  # already stored by an earlier (interrupted) run: keep the first
+            # Already stored by an earlier (interrupted) run: keep the first; the call was
+            # made all the same.
+            if call is not None:
+                self.record_call(call)
+
+
+def _call_row(call: CallRecord) -> ModelCallRow:
+    return ModelCallRow(**{f: getattr(call, f) for f in CallRecord.__slots__})
 
 
 def _changed_at(runs: list[RunRow]) -> datetime:

@@ -206,3 +206,31 @@ def test_opening_a_new_sqlite_file_waits_for_a_writer_instead_of_failing(tmp_pat
     threading.Timer(0.5, lambda: holder.execute("COMMIT")).start()
     open_database(f"sqlite:///{path}").dispose()
     holder.close()
+
+
+def test_a_result_and_its_call_record_are_stored_together(db_url):
+    """One transaction: a run killed after the reply is either without both (and asks again)
+    or has both, never a recorded call whose result is lost (which a rerun would repeat)."""
+    engine = open_database(db_url)
+    migrate.upgrade(engine)
+    store = DigestStore(engine)
+    store.upsert_papers([_paper(1)])
+    run_id = store.start_run(DAY, {}, "m", "local", "p1")
+    call = CallRecord(
+        run_id=run_id,
+        paper_id=_paper(1).arxiv_id,
+        kind="summary",
+        model="m",
+        endpoint="http://127.0.0.1:1/v1",
+        prompt_version="p1",
+        input_basis="abstract",
+        max_tokens=8,
+        started_at=utcnow(),
+        status="ok",
+    )
+    store.save_summary(_paper(1), KEY, "first", run_id, call)
+    assert [c.kind for c in store.calls()] == ["summary"]
+    # The row exists already (an earlier run stored it): the call was made all the same.
+    store.save_summary(_paper(1), KEY, "second", run_id, call)
+    assert store.summary(_paper(1).arxiv_id, KEY).text == "first"
+    assert len(store.calls()) == 2
