@@ -26,11 +26,10 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from pathlib import Path
 
 from sqlalchemy import Engine, select
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from digest.prompts import SYSTEM
@@ -91,17 +90,9 @@ def load_calls(url: str, since: date | None = None, runs: set[int] | None = None
 
 
 def _open(url: str) -> Engine:
+    # create=False: exporting from a SQLite file that is not there is a typo, not a new database.
     try:
-        parsed = make_url(url)
-    except ArgumentError:
-        raise ExportError(f"not a database URL: {url!r}") from None
-    database = parsed.database
-    # open_database would create a missing SQLite file; exporting from nothing is a typo.
-    if parsed.get_backend_name() == "sqlite" and database and database != ":memory:":
-        if not Path(database).is_file():
-            raise ExportError(f"no database file at {database}")
-    try:
-        return open_database(url)
+        return open_database(url, create=False)
     except StoreError as exc:
         raise ExportError(str(exc)) from None
     except (ImportError, SQLAlchemyError, TypeError) as exc:  # no driver, a bad option

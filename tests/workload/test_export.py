@@ -156,6 +156,8 @@ def test_empty_database_is_a_clear_error(url, tmp_path):
         ("nonsense://", "error: cannot open nonsense://"),
         ("sqlite:///{tmp}/missing.db", "error: no database file at"),
         ("sqlite:///{tmp}/plain.db", "error: cannot read model_calls from"),
+        ("postgresql+psycopg://postgres@127.0.0.1:abc/x", "error: not a database URL"),
+        ("postgresql+psycopg://postgres@[::1:5432/x", "error: not a database URL"),
     ],
 )
 def test_bad_database_is_a_clear_error(tmp_path, db, message):
