@@ -26,6 +26,7 @@ MAX_TOKENS = 10_000_000
 MAX_TIMESTAMP_MS = 2**53
 HASH_ID_RANGE = (-(2**63), 2**63 - 1)  # 64-bit ids, as Mooncake's and ours are
 
+
 class UnwritableRecord(ValueError):
     """A record that read_trace would refuse: a bug upstream, never written."""
 
