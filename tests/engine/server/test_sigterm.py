@@ -52,6 +52,18 @@ def _start(tmp_path, grace: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
+def _stream_in_thread(url: str, body: dict, lines: list[str]) -> threading.Thread:
+    """A streaming completion on a thread, its non-empty SSE lines appended to `lines`."""
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as r:
+            lines.extend(ln for ln in r.iter_lines() if ln)
+
+    client = threading.Thread(target=stream)
+    client.start()
+    return client
+
+
 def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
     proc, url = _start(tmp_path, "20")
     try:
@@ -65,12 +77,7 @@ def test_sigterm_finishes_in_flight_then_exits_zero(tmp_path):
             "stream": True,
         }
 
-        def stream() -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                lines.extend(line for line in r.iter_lines() if line)
-
-        client = threading.Thread(target=stream)
-        client.start()
+        client = _stream_in_thread(url, body, lines)
         while not lines and client.is_alive():
             time.sleep(0.01)
         time.sleep(0.05)
@@ -152,12 +159,7 @@ def test_a_second_signal_ends_streams_now_and_cleanly(tmp_path, second):
             "stream": True,
         }
 
-        def stream() -> None:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=90) as r:
-                lines.extend(ln for ln in r.iter_lines() if ln)
-
-        client = threading.Thread(target=stream)
-        client.start()
+        client = _stream_in_thread(url, body, lines)
         time.sleep(0.5)
         os.kill(proc.pid, signal.SIGTERM)
         time.sleep(0.3)
