@@ -32,8 +32,11 @@ def unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(item for item in items if item))
 
 
-def parse_feed(data: str | bytes, origin: str) -> Any:
-    """Parse Atom or RSS with feedparser; raise `SourceError` for a document it cannot read."""
+def parse_feed(data: str | bytes, origin: str, strict: bool = False) -> Any:
+    """Parse Atom or RSS with feedparser; raise `SourceError` for a document it cannot read.
+    strict: also for one it could only partly read. A damaged page from the network is worth
+    its recovered entries; a damaged file is not: its recovered fields can be wrong (an
+    entity-expansion bomb leaves titles like "&lol9;" that would overwrite stored papers)."""
     raw = data.encode("utf-8") if isinstance(data, str) else data
     # A stream, never a str: feedparser would take a str that looks like a URL or path as one.
     # No sanitising: RSS descriptions are plain text that feedparser would read as HTML, and its
@@ -41,7 +44,7 @@ def parse_feed(data: str | bytes, origin: str) -> Any:
     feed = feedparser.parse(io.BytesIO(raw), sanitize_html=False, resolve_relative_uris=False)
     # A wrong encoding declaration is harmless: feedparser decoded the document another way.
     broken = feed.bozo and not isinstance(feed.bozo_exception, feedparser.CharacterEncodingOverride)
-    if broken and not feed.entries:
+    if broken and (strict or not feed.entries):
         raise SourceError(f"{origin}: malformed feed ({feed.bozo_exception})")
     if not feed.get("version"):  # well-formed, but HTML, an empty body, or other XML
         raise SourceError(f"{origin}: not an Atom or RSS feed")
@@ -65,9 +68,9 @@ def keep_latest_versions(papers: Iterable[Paper]) -> list[Paper]:
     return list(latest.values())
 
 
-def parse_atom(text: str | bytes, origin: str) -> list[Paper]:
+def parse_atom(text: str | bytes, origin: str, strict: bool = False) -> list[Paper]:
     """Papers of an arXiv API response, current or older (line-wrapped) format."""
-    return _papers(parse_feed(text, origin), origin)
+    return _papers(parse_feed(text, origin, strict), origin)
 
 
 def _papers(feed: Any, origin: str) -> list[Paper]:

@@ -38,7 +38,7 @@ def load_papers_file(path: Path, max_papers: int | None) -> list[Paper]:
     suffix = path.suffix.lower()
     if suffix in _ATOM_SUFFIXES or (suffix not in _JSONL_SUFFIXES and head.lstrip()[:1] == b"<"):
         try:
-            papers = parse_atom(path.read_bytes(), str(path))
+            papers = parse_atom(path.read_bytes(), str(path), strict=True)
         except SourceError as exc:
             raise BadPapersFile(path, str(exc).removeprefix(f"{path}: ")) from None
     else:

@@ -165,6 +165,22 @@ def test_malformed_atom_file(tmp_path):
         load_papers_file(path, None)
 
 
+def test_a_partly_readable_atom_file_is_refused_not_half_taken(tmp_path):
+    """An entity-expansion bomb: the parser refuses the entities, and recovering the entry
+    anyway would store a paper titled "&lol9;" over the real one."""
+    entities = "".join(f'<!ENTITY lol{n} "{f"&lol{n - 1};" * 10}">' for n in range(2, 10))
+    path = write(
+        tmp_path / "bomb.xml",
+        f'<?xml version="1.0"?><!DOCTYPE feed [<!ENTITY lol1 "lol">{entities}]>'
+        '<feed xmlns="http://www.w3.org/2005/Atom"><entry>'
+        "<id>http://arxiv.org/abs/2603.00001v1</id><title>&lol9;</title>"
+        "<summary>An abstract.</summary><published>2026-03-09T00:00:00Z</published>"
+        '<author><name>A B</name></author><category term="cs.CL"/></entry></feed>',
+    )
+    with pytest.raises(SourceError, match=rf"^{path}: malformed feed"):
+        load_papers_file(path, None)
+
+
 @pytest.mark.parametrize(
     ("name", "content", "message"),
     [
