@@ -275,11 +275,11 @@ class EngineCore:
         failed = self._fail(errors)
         num_before = {s.request.request_id: len(s.request.output_token_ids) for s in result.sampled}
         finished = self.scheduler.update(sched, sampled, resample)
-        outputs = failed + self._outputs(
-            [s for s in result.sampled if s.request.request_id in sampled], num_before, finished
-        )
+        # The requests that got tokens this step (not the failed, not those sampling again).
+        advanced = [s for s in result.sampled if s.request.request_id in sampled]
+        outputs = failed + self._outputs(advanced, num_before, finished)
         if self.proposer is not None:
-            self._propose([s for s in result.sampled if s.request.request_id in sampled])
+            self._propose(advanced)
         if self.profiler is not None:
             end = time.perf_counter()
             gap = start - self._last_step_end if self._last_step_end is not None else 0.0
