@@ -9,6 +9,10 @@ engine thread; callers tokenize before submitting (a long prompt must not stall 
 Admission is atomic: submit() counts a request's samples as waiting at once, on the caller's
 thread, so a burst cannot overshoot a waiting limit before the engine thread has seen any of it.
 A request the engine fails (FINISHED_ERROR) ends its stream with RequestFailedError; the rest go on.
+
+What other threads may read: `info` (an EngineInfo, fixed once the engine is built), `stats()`
+(an EngineStats snapshot the engine thread publishes after every step), and the tokenizing calls
+encode_prompt / encode_chat (the tokenizer only, never the engine's moving parts).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from engine.errors import (
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.spec.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +47,34 @@ class QueueFullError(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the waiting queue is full ({limit} requests); retry later")
         self.limit = limit
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What a server needs to know about the engine; fixed once it is built."""
+
+    model: str  # as configured: a folder or a model name
+    max_model_len: int
+    # The longest request (prompt + output) the KV cache can hold: max_model_len or less.
+    max_request_tokens: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    speculative: bool  # a proposer drafts tokens (usage reports accepted/rejected predictions)
+    tokenizer: object | None  # a transformers tokenizer; None for token-id-only models
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """The engine's counters after a step (published by the engine thread, read by anyone)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks held by requests
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, found
+    num_preemptions: int = 0
+    spec_decode: SpecDecodeStats | None = None  # a copy; None without speculation
 
 
 @dataclass(slots=True)
@@ -127,6 +160,8 @@ class AsyncEngine:
         # Called on the engine thread with each step's wall time (seconds), e.g. by metrics.
         self.step_observers: list[Callable[[float], None]] = []
         self.engine: LLMEngine
+        self.info: EngineInfo
+        self._stats = EngineStats()
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self._thread = threading.Thread(
@@ -137,6 +172,18 @@ class AsyncEngine:
         if self._build_error is not None:
             self._thread.join()
             raise self._build_error
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def encode_prompt(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        """(token ids, text) of a prompt; safe on any thread (a server's worker threads)."""
+        text, ids = self.engine.encode_prompt(prompt)
+        return ids, text
+
+    def encode_chat(self, messages: list[dict], **template_options) -> list[int]:
+        """A conversation rendered by the model's chat template, as token ids; any thread."""
+        return self.engine.encode_chat(messages, **template_options)
 
     @property
     def is_alive(self) -> bool:
@@ -229,6 +276,8 @@ class AsyncEngine:
         # benchmark's steps 28% slower than offline).
         try:
             self.engine = LLMEngine(config)
+            self.info = _info(config, self.engine)
+            self._publish_stats()
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._build_error = e
             return
@@ -240,6 +289,8 @@ class AsyncEngine:
                 break
             if self.engine.has_unfinished():
                 self._step()
+            else:
+                self._publish_stats()  # aborts emptied it: nothing runs any more
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
             stream.put(EngineShutdownError("the engine is shutting down"))
@@ -299,6 +350,7 @@ class AsyncEngine:
             self._streams.clear()
             return
         elapsed = time.perf_counter() - start
+        self._publish_stats()
         for observe in self.step_observers:
             observe(elapsed)
         # One wake-up of each event loop per step, not one per request.
@@ -312,6 +364,43 @@ class AsyncEngine:
             batches.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in batches.items():
             _call_soon(loop, _deliver, items)
+
+    def _publish_stats(self) -> None:
+        core = self.engine.core
+        sched, kv = core.scheduler, core.kv
+        spec = None
+        if core.proposer is not None:
+            s = core.spec_stats
+            spec = SpecDecodeStats(
+                s.num_drafts,
+                s.num_draft_tokens,
+                s.num_accepted_tokens,
+                list(s.accepted_per_position),
+            )
+        # One assignment: a reader sees the whole old snapshot or the whole new one.
+        self._stats = EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            kv_cache_usage=kv.usage(),
+            prefix_cache_queries=kv.prefix_stats.queried_tokens,
+            prefix_cache_hits=kv.prefix_stats.hit_tokens,
+            num_preemptions=sched.num_preemptions,
+            spec_decode=spec,
+        )
+
+
+def _info(config: EngineConfig, engine: LLMEngine) -> EngineInfo:
+    core = engine.core
+    return EngineInfo(
+        model=str(config.model),
+        max_model_len=core.max_model_len,
+        max_request_tokens=core.max_request_tokens,
+        num_kv_blocks=core.num_blocks,
+        block_size=config.block_size,
+        vocab_size=core.model.config.vocab_size,
+        speculative=core.proposer is not None,
+        tokenizer=engine.tokenizer,
+    )
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable, *args: object) -> None:

@@ -62,10 +62,10 @@ class LLMEngine:
             raise InvalidRequestError("a prompt must be a string or a list of token ids")
         return None, list(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **template_options) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("this model has no tokenizer, so no chat template")
-        return render_chat(self.tokenizer, messages)
+        return render_chat(self.tokenizer, messages, **template_options)
 
     def add_request(
         self,

@@ -16,42 +16,41 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5
 
 
 class _EngineState:
-    """Reads the engine's counters at scrape time (reads only; the engine thread writes)."""
+    """The engine's counters at scrape time, from the snapshot it publishes after each step."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
     def collect(self):
-        core = self.engine.engine.core
-        sched, kv = core.scheduler, core.kv
+        stats = self.engine.stats()
         yield GaugeMetricFamily(
-            "nightshift:num_requests_running", "Requests being computed.", value=len(sched.running)
+            "nightshift:num_requests_running", "Requests being computed.", value=stats.num_running
         )
         yield GaugeMetricFamily(
             "nightshift:num_requests_waiting",
             "Requests waiting to start.",
-            value=len(sched.waiting),
+            value=stats.num_waiting,
         )
         yield GaugeMetricFamily(
             "nightshift:kv_cache_usage_perc",
             "Fraction of KV blocks held by requests.",
-            value=kv.usage(),
+            value=stats.kv_cache_usage,
         )
         yield CounterMetricFamily(
             "nightshift:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            value=kv.prefix_stats.queried_tokens,
+            value=stats.prefix_cache_queries,
         )
         yield CounterMetricFamily(
             "nightshift:prefix_cache_hits",
             "Prompt tokens served from the prefix cache.",
-            value=kv.prefix_stats.hit_tokens,
+            value=stats.prefix_cache_hits,
         )
         yield CounterMetricFamily(
-            "nightshift:num_preemptions", "Requests preempted.", value=sched.num_preemptions
+            "nightshift:num_preemptions", "Requests preempted.", value=stats.num_preemptions
         )
-        if core.proposer is not None:
-            yield from _spec_decode_families(core.spec_stats)
+        if stats.spec_decode is not None:
+            yield from _spec_decode_families(stats.spec_decode)
 
 
 def _spec_decode_families(stats: SpecDecodeStats):

@@ -127,7 +127,7 @@ def serve(
     # Bound before the model loads: a port in use or a bad host fails at once, in one line.
     sock = listen_socket(host, port)
     engine = AsyncEngine(config)
-    core = engine.engine.core
+    info = engine.info
     name = served_model_name or config.model
     logger.info(
         "serving %s as %r on http://%s:%d: %d KV blocks x %d tokens; the largest request that "
@@ -136,9 +136,9 @@ def serve(
         name,
         host,
         port,
-        core.num_blocks,
-        config.block_size,
-        core.max_request_tokens,
+        info.num_kv_blocks,
+        info.block_size,
+        info.max_request_tokens,
     )
     app = create_app(engine, name, api_key, max_waiting_requests, limits)
     try:

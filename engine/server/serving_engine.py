@@ -1,0 +1,201 @@
+"""What every generating endpoint shares (vLLM's OpenAIServing): the model check, the length
+bound, atomic admission against --max-waiting-requests, awaiting a response while the client is
+there, ending every stream with `data: [DONE]`, and the pieces of OpenAI's response bodies that
+chat and completions have in common (usage, token text)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.async_engine import AsyncEngine, RequestStream
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.server.disconnect import ClientDisconnected, until_disconnected
+from engine.server.errors import APIError, as_api_error, sse_error
+from engine.server.limits import RequestLimits
+from engine.server.metrics import ServerMetrics
+
+DONE = "data: [DONE]\n\n"
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        limits: RequestLimits,
+        max_waiting_requests: int | None,
+    ) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.info.tokenizer
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self.limits = limits
+        self.max_waiting_requests = max_waiting_requests
+        self.max_model_len = engine.info.max_model_len
+        # No prompt longer than this can fit, whatever it says: no token covers more characters.
+        self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
+
+    def check_model(self, name: str) -> None:
+        if name != self.served_model_name:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server serves {self.served_model_name!r}",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+
+    def check_length(self, chars: int, field: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your {field} has {chars} characters, more than {self.max_model_len} tokens can "
+                f"hold (refused before tokenizing).",
+                param=field,
+                code="context_length_exceeded",
+            )
+
+    def submit(
+        self, rid: str, prompts: list[tuple[list[int], str | None]], params: SamplingParams
+    ) -> list[RequestStream]:
+        samples = params.n * len(prompts)
+        limit = self.max_waiting_requests
+        if limit is not None and samples > limit:
+            # Every admitted sample waits until the scheduler takes it: more than the limit
+            # would overflow the queue even when it is empty.
+            raise APIError(
+                400,
+                f"n x prompts = {samples} samples, over this server's waiting limit of "
+                f"{limit} (set by --max-waiting-requests), so it is never admitted",
+                param="n",
+                code="limit_exceeded",
+            )
+        try:
+            return self.engine.submit_many(
+                [
+                    (f"{rid}-{i}" if len(prompts) > 1 else rid, ids, text)
+                    for i, (ids, text) in enumerate(prompts)
+                ],
+                params,
+                max_waiting=limit,
+            )
+        except Exception as e:
+            self.metrics.rejected.labels(as_api_error(e).code or "error").inc()
+            raise
+
+    async def respond(self, request: Request, work: Awaitable, streams: list[RequestStream]):
+        """Await the response while the client is there; a client gone aborts the request.
+        Unless a stream's response takes them over, the request streams end here."""
+        result = None
+        try:
+            result = await until_disconnected(request, work)
+            return result
+        except ClientDisconnected:
+            self.metrics.aborted.labels("client_disconnect").inc()
+            return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+        except Exception as e:
+            self.metrics.count_failure(e)
+            raise
+        finally:
+            if not isinstance(result, StreamingResponse):
+                for s in streams:
+                    await s.aclose()
+
+    def stream_response(
+        self, events: AsyncIterator[str], streams: list[RequestStream]
+    ) -> StreamingResponse:
+        return StreamingResponse(
+            self._guarded(events, streams),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def _guarded(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        """Every stream ends with `data: [DONE]`: after its last chunk, or after an error event
+        when the engine fails it (or shuts down) mid-way. A client gone aborts the request."""
+        ended = False
+        try:
+            async for event in events:
+                yield event
+            ended = True
+        except Exception as e:  # noqa: BLE001 - reported to the client, in OpenAI's shape
+            self.metrics.count_failure(e)
+            ended = True
+            yield sse_error(e)
+            yield DONE
+        finally:
+            if not ended:
+                self.metrics.aborted.labels("client_disconnect").inc()
+            for s in streams:
+                await s.aclose()
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        """What echo repeats: the prompt's text, decoded when it came as token ids."""
+        if out.prompt is not None:
+            return out.prompt
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def token_text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return str(token_id)
+        return self.tokenizer.decode([token_id])
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        prompt = sum(len(f.prompt_token_ids) for f in finals)
+        completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+        cached = sum(f.metrics.num_cached_tokens for f in finals)
+        out = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        if self.info.speculative:
+            # OpenAI reports predicted-output tokens here; speculation's drafts are the same idea.
+            accepted = sum(f.metrics.num_accepted_tokens for f in finals)
+            proposed = sum(f.metrics.num_draft_tokens for f in finals)
+            out["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": proposed - accepted,
+            }
+        return out
+
+
+async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The first output; raises the request's ValueError (a 400) before any byte is sent."""
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration as e:  # pragma: no cover - the engine always sends one
+        raise RuntimeError("engine returned no output") from e
+
+
+async def chain(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    yield first
+    if not first.finished:
+        async for out in rest:
+            yield out
+
+
+async def last_output(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> RequestOutput:
+    final = first
+    async for out in chain(first, rest):
+        final = out
+    return final
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token stands for (from its UTF-8 length in the vocabulary, an
+    upper bound for byte-level and sentencepiece vocabularies alike); 64 without a tokenizer,
+    whose prompts are token ids anyway."""
+    if tokenizer is None:
+        return 64
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
