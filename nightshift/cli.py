@@ -127,6 +127,25 @@ def serve(
     grace_period: Annotated[
         float, typer.Option(help="Seconds in-flight requests get after SIGTERM.")
     ] = 30.0,
+    allowed_origins: Annotated[
+        list[str] | None, typer.Option(help="CORS: origins allowed (repeat; default: *).")
+    ] = None,
+    allowed_methods: Annotated[
+        list[str] | None, typer.Option(help="CORS: methods allowed (repeat; default: *).")
+    ] = None,
+    allowed_headers: Annotated[
+        list[str] | None, typer.Option(help="CORS: headers allowed (repeat; default: *).")
+    ] = None,
+    allow_credentials: Annotated[
+        bool, typer.Option("--allow-credentials", help="CORS: allow cookies and auth headers.")
+    ] = False,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="How tool_choice auto finds calls in the text: hermes, llama3_json or mistral "
+            "(default: chosen from the chat template)."
+        ),
+    ] = None,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     block_size: Annotated[int, typer.Option()] = 16,
@@ -165,6 +184,7 @@ def serve(
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
     from engine.server.auth import resolve_api_key
+    from engine.server.cors import CorsConfig
     from engine.server.limits import RequestLimits
     from engine.server.serve import serve as run_server
 
@@ -205,6 +225,13 @@ def serve(
             grace_period,
             limits,
             allow_unauthenticated,
+            cors=CorsConfig(
+                allowed_origins=allowed_origins or ["*"],
+                allowed_methods=allowed_methods or ["*"],
+                allowed_headers=allowed_headers or ["*"],
+                allow_credentials=allow_credentials,
+            ),
+            tool_call_parser=tool_call_parser,
         )
 
 

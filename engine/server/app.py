@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine
 from engine.server.auth import APIKeyCheck
+from engine.server.cors import CorsConfig, add_cors
 from engine.server.errors import install_error_handlers
 from engine.server.limits import BodySizeLimit, RequestLimits
 from engine.server.metrics import ServerMetrics
@@ -36,7 +37,12 @@ def create_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     limits: RequestLimits | None = None,
+    *,
+    cors: CorsConfig | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
+    """tool_call_parser: how "auto" tool choice finds calls in the model's text (hermes,
+    llama3_json, mistral); None picks one from the chat template."""
     limits = limits or RequestLimits()
 
     @asynccontextmanager
@@ -49,10 +55,11 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
     if api_key:
-        app.add_middleware(APIKeyCheck, api_key=api_key)  # outermost: before reading a body
+        app.add_middleware(APIKeyCheck, api_key=api_key)  # before reading a body
+    add_cors(app, cors or CorsConfig())  # outermost: preflights never carry the key
     metrics = ServerMetrics(engine)
     serving = (engine, served_model_name, metrics, limits, max_waiting_requests)
-    chat = OpenAIServingChat(*serving)
+    chat = OpenAIServingChat(*serving, tool_call_parser=tool_call_parser)
     completion = OpenAIServingCompletion(*serving)
     info = engine.info
 

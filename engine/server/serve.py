@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.server.app import create_app
 from engine.server.auth import API_KEY_ENV, is_loopback
+from engine.server.cors import CorsConfig
 from engine.server.errors import error_body
 from engine.server.limits import RequestLimits
 
@@ -115,6 +116,9 @@ def serve(
     grace_period: float = 30.0,
     limits: RequestLimits | None = None,
     allow_unauthenticated: bool = False,
+    *,
+    cors: CorsConfig | None = None,
+    tool_call_parser: str | None = None,
 ) -> None:
     """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
@@ -140,7 +144,15 @@ def serve(
         info.block_size,
         info.max_request_tokens,
     )
-    app = create_app(engine, name, api_key, max_waiting_requests, limits)
+    app = create_app(
+        engine,
+        name,
+        api_key,
+        max_waiting_requests,
+        limits,
+        cors=cors,
+        tool_call_parser=tool_call_parser,
+    )
     try:
         server_config = uvicorn.Config(
             app,

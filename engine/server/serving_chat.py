@@ -19,6 +19,10 @@ from engine.server.serving_engine import DONE, OpenAIServing, chain, first_outpu
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args, tool_call_parser: str | None = None) -> None:
+        super().__init__(*args)
+        self.tool_call_parser = tool_call_parser
+
     async def create(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
         check_sampling(body, self.limits)

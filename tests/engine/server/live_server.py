@@ -42,11 +42,15 @@ def live_server(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     limits: RequestLimits | None = None,
+    app_options: dict | None = None,
     **engine_options: object,
 ) -> Iterator[tuple[str, AsyncEngine]]:
-    """Yields (http://127.0.0.1:PORT, engine) while the server runs."""
+    """Yields (http://127.0.0.1:PORT, engine) while the server runs. app_options: create_app's
+    keyword options (cors, tool_call_parser)."""
     engine = AsyncEngine(EngineConfig(model=str(model_dir), **engine_options))
-    app = create_app(engine, served_name, api_key, max_waiting_requests, limits)
+    app = create_app(
+        engine, served_name, api_key, max_waiting_requests, limits, **(app_options or {})
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
