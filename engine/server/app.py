@@ -24,7 +24,8 @@ from engine.server.cors import CorsConfig, add_cors
 from engine.server.errors import install_error_handlers
 from engine.server.limits import BodySizeLimit, RequestLimits
 from engine.server.metrics import ServerMetrics
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from engine.server.protocol import CompletionRequest
+from engine.server.protocol_chat import ChatCompletionRequest
 from engine.server.serving_chat import OpenAIServingChat
 from engine.server.serving_completion import OpenAIServingCompletion
 

@@ -144,7 +144,7 @@ class ServerMetrics:
         self.step = Histogram(
             "nightshift:step_seconds", "Engine step wall time.", buckets=_STEP_BUCKETS, registry=r
         )
-        engine.step_observers.append(self.step.observe)
+        engine.step_observers.append(lambda elapsed, _outputs: self.step.observe(elapsed))
 
     def count_failure(self, e: BaseException) -> None:
         """A request that ended with an error after admission."""

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI API that the server accepts; unknown fields are ignored."""
+"""Request bodies of the OpenAI API: the sampling fields chat and completions share, and the
+completions body (chat's is in protocol_chat.py); unknown fields are ignored."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import InvalidSamplingParamsError, InvalidStructuredOutputError
+from engine.errors import InvalidStructuredOutputError
 from engine.sampling_params import SamplingParams
 from engine.structured.grammar import parse_spec
 
@@ -39,7 +40,7 @@ class ResponseFormat(BaseModel):
         return {"json": self.json_schema.schema_}
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
@@ -121,41 +122,7 @@ def _tagged(kind: str, value: object) -> dict | None:
     return None if value is None else {kind: value}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: str
-    content: str | list[dict] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-
-    def to_sampling_params(self) -> SamplingParams:
-        newer = self.max_completion_tokens is not None
-        max_tokens = self.max_completion_tokens if newer else self.max_tokens
-        try:
-            return self.sampling_params(
-                max_tokens, (self.top_logprobs or 0) if self.logprobs else None
-            )
-        except InvalidSamplingParamsError as e:
-            # Errors name the chat API's fields, not the engine's.
-            e.param = {
-                "logprobs": "top_logprobs",
-                "max_tokens": "max_completion_tokens" if newer else "max_tokens",
-            }.get(e.param, e.param)
-            raise
-
-
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False

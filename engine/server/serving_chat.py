@@ -14,7 +14,7 @@ from fastapi import Request
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.limits import check_sampling
-from engine.server.protocol import ChatCompletionRequest
+from engine.server.protocol_chat import ChatCompletionRequest
 from engine.server.serving_engine import DONE, OpenAIServing, chain, first_output, last_output
 
 

@@ -265,7 +265,7 @@ def test_full_queue_answers_429(model_dir):
     from fastapi.testclient import TestClient
 
     engine = AsyncEngine(EngineConfig(model=str(model_dir), max_model_len=256, max_num_seqs=1))
-    engine.step_observers.append(lambda _: time.sleep(0.005))  # the long ones run for seconds
+    engine.step_observers.append(lambda *_: time.sleep(0.005))  # the long ones run for seconds
     try:
         app = create_app(engine, MODEL, max_waiting_requests=1)
         long = {"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": True}

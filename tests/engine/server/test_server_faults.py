@@ -67,7 +67,7 @@ def poisoned(server, monkeypatch):
 def _slow_steps(engine, seconds: float):
     """Each engine step takes at least this long (an observer sleeping on the engine thread)."""
 
-    def observe(_: float) -> None:
+    def observe(_: float, __: list) -> None:
         time.sleep(seconds)
 
     engine.step_observers.append(observe)
@@ -195,7 +195,7 @@ def test_the_waiting_limit_holds_under_a_burst_counting_samples(model_dir, n):
         waiting_seen: list[int] = []
         scheduler = engine.engine.core.scheduler
 
-        def observe(_: float) -> None:
+        def observe(_: float, __: list) -> None:
             waiting_seen.append(len(scheduler.waiting))
             time.sleep(0.01)
 
