@@ -40,11 +40,11 @@ class Row:
 
 
 def _chat(**fields) -> dict:
-    return {"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0, **fields}
+    return {"model": MODEL, "messages": USER, "max_tokens": 4, "temperature": 0} | fields
 
 
 def _cmpl(**fields) -> dict:
-    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, **fields}
+    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0} | fields
 
 
 # ---- checks -----------------------------------------------------------------------------------
