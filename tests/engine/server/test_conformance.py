@@ -44,7 +44,7 @@ def _chat(**fields) -> dict:
 
 
 def _cmpl(**fields) -> dict:
-    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0} | fields
+    return {"model": MODEL, "prompt": "Once upon a", "max_tokens": 4, "temperature": 0} | fields
 
 
 # ---- checks -----------------------------------------------------------------------------------
