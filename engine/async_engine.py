@@ -34,6 +34,7 @@ from engine.errors import (
 )
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.spec.stats import SpecDecodeStats
 
@@ -60,6 +61,7 @@ class EngineInfo:
     num_kv_blocks: int
     block_size: int
     vocab_size: int
+    hidden_size: int  # the width of the model's hidden states (and of its embeddings)
     speculative: bool  # a proposer drafts tokens (usage reports accepted/rejected predictions)
     tokenizer: object | None  # a transformers tokenizer; None for token-id-only models
 
@@ -85,6 +87,7 @@ class _Add:
     priority: int
     stream: _Stream
     prompt_text: str | None = None
+    pooling: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -224,8 +227,12 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         max_waiting: int | None = None,
+        *,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestStream]:
-        """Several requests (request_id, prompt, prompt_text) admitted together or not at all."""
+        """Several requests (request_id, prompt, prompt_text) admitted together or not at all.
+        pooling: embedding requests (params with max_tokens=0 and n=1); each final output has
+        the prompt's pooled hidden state in RequestOutput.embedding."""
         if not self.is_alive:
             raise RuntimeError("the engine loop is not running")
         samples = params.n * len(prompts)
@@ -238,7 +245,7 @@ class AsyncEngine:
         streams = []
         for request_id, prompt, text in prompts:
             stream = _Stream(loop, asyncio.Queue())
-            self._inbox.put(_Add(request_id, prompt, params, priority, stream, text))
+            self._inbox.put(_Add(request_id, prompt, params, priority, stream, text, pooling))
             streams.append(RequestStream(self, request_id, stream))
         return streams
 
@@ -324,6 +331,7 @@ class AsyncEngine:
                     command.params,
                     priority=command.priority,
                     prompt_text=command.prompt_text,
+                    pooling=command.pooling,
                 )
             except ValueError as e:
                 command.stream.put(e)
@@ -399,6 +407,7 @@ def _info(config: EngineConfig, engine: LLMEngine) -> EngineInfo:
         num_kv_blocks=core.num_blocks,
         block_size=config.block_size,
         vocab_size=core.model.config.vocab_size,
+        hidden_size=core.model.config.hidden_size,
         speculative=core.proposer is not None,
         tokenizer=engine.tokenizer,
     )

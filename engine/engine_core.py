@@ -18,6 +18,7 @@ from engine.errors import STRUCTURED_OUTPUT_FAILED, InvalidRequestError
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.loader import load_model, resolve_device, resolve_dtype, resolve_kernels
 from engine.models.model_config import load_model_config
+from engine.pooling import PoolingParams, PoolingState
 from engine.profiler import StepProfiler, StepRecord
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -147,10 +148,15 @@ class EngineCore:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
+        """pooling: an embedding request (params must have max_tokens=0): its prompt's final
+        hidden states pooled, in the finished request's pooling.embedding."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self._check_prompt(prompt_token_ids, params)
+        if pooling is not None:
+            self._check_pooling(pooling, params)
         matcher = self._matcher(params)
         request = Request(
             request_id=request_id,
@@ -165,6 +171,7 @@ class EngineCore:
             | (frozenset() if params.ignore_eos else self.eos_token_ids),
             generator=self._generator(params),
             matcher=matcher,
+            pooling=None if pooling is None else PoolingState(pooling, len(prompt_token_ids)),
         )
         self.requests[request_id] = request
         self.scheduler.add_request(request)
@@ -180,7 +187,11 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
             )
-        if n >= self.max_model_len:
+        if params.max_tokens == 0 and n > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {n} tokens but max_model_len is {self.max_model_len}", "prompt"
+            )
+        if params.max_tokens != 0 and n >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {n} tokens but max_model_len is {self.max_model_len}: "
                 f"at most {self.max_model_len - 1} prompt tokens leave room for one output token",
@@ -202,6 +213,19 @@ class EngineCore:
                 "max_tokens",
             )
         return max_tokens
+
+    def _check_pooling(self, pooling: PoolingParams, params: SamplingParams) -> None:
+        if params.max_tokens != 0:
+            raise InvalidRequestError(
+                "a pooling request computes its prompt only: it needs max_tokens=0", "max_tokens"
+            )
+        width = self.model.config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > width:
+            raise InvalidRequestError(
+                f"dimensions must be at most the model's hidden size {width}, "
+                f"got {pooling.dimensions}",
+                "dimensions",
+            )
 
     def _matcher(self, params: SamplingParams) -> RequestMatcher | None:
         """A fresh grammar state for a constrained request (each of n samples gets its own)."""
@@ -271,13 +295,28 @@ class EngineCore:
             except Exception as e:  # noqa: BLE001 - this request's own failure
                 logger.exception("request %s: prompt logprobs failed", request_id)
                 errors[request_id] = f"prompt logprobs failed: {e}"
+        for request_id, (first, hidden) in result.pooled_hidden.items():
+            if request_id in errors:
+                continue
+            try:
+                self.requests[request_id].pooling.add(first, hidden)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                logger.exception("request %s: pooling failed", request_id)
+                errors[request_id] = f"pooling failed: {e}"
         sampled, resample = self._sample(result.sampled, result.logits, errors)
         failed = self._fail(errors)
-        num_before = {s.request.request_id: len(s.request.output_token_ids) for s in result.sampled}
+        num_before = {
+            s.request.request_id: len(s.request.output_token_ids) for s in sched.scheduled
+        }
         finished = self.scheduler.update(sched, sampled, resample)
         # The requests that got tokens this step (not the failed, not those sampling again).
         advanced = [s for s in result.sampled if s.request.request_id in sampled]
-        outputs = failed + self._outputs(advanced, num_before, finished)
+        # Prefill-only requests whose prompt is now computed: they end with no token.
+        ended = {r.request_id for r in finished}
+        prefilled = [
+            s for s in sched.scheduled if s.request.prefill_only and s.request.request_id in ended
+        ]
+        outputs = failed + self._outputs(advanced + prefilled, num_before, finished)
         if self.proposer is not None:
             self._propose(advanced)
         if self.profiler is not None:

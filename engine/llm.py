@@ -10,6 +10,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -45,6 +46,18 @@ class LLM:
             [self.engine.encode_prompt(p) for p in prompt_list], sampling_params, priority
         )
 
+    def embed(
+        self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None
+    ) -> list[RequestOutput]:
+        """Each prompt's final hidden state pooled (last token, L2-normalized by default), in
+        RequestOutput.embedding; prefill-only requests through the same scheduler as generation."""
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(
+            [self.engine.encode_prompt(p) for p in prompt_list],
+            SamplingParams(max_tokens=0),
+            pooling=pooling or PoolingParams(),
+        )
+
     def chat(
         self,
         conversations: list[dict] | Sequence[list[dict]],
@@ -62,6 +75,7 @@ class LLM:
         prompts: list[tuple[str | None, list[int]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
@@ -69,7 +83,11 @@ class LLM:
             for i, ((_, token_ids), sp) in enumerate(zip(prompts, params)):
                 request_id = f"llm-{next(self._ids)}"
                 self.engine.add_request(
-                    request_id, token_ids, sp, priority=priority[i] if priority else 0
+                    request_id,
+                    token_ids,
+                    sp,
+                    priority=priority[i] if priority else 0,
+                    pooling=pooling,
                 )
                 ids.append(request_id)
         except ValueError:

@@ -13,6 +13,7 @@ from engine.engine_core import EngineCore
 from engine.errors import InvalidRequestError
 from engine.model_fetch import resolve_model
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.pooling import PoolingParams
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer, render_chat
@@ -75,13 +76,17 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         prompt_text: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """prompt_text: the text a token-id prompt was encoded from, reported back as the
-        output's prompt (callers that tokenize themselves keep their text)."""
+        output's prompt (callers that tokenize themselves keep their text). pooling: an
+        embedding request (params with max_tokens=0), its vector in RequestOutput.embedding."""
         if request_id in self._groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer; this model has none")
+        if pooling is not None and params.n != 1:
+            raise InvalidRequestError("a pooling request has one result: n must be 1", "n")
         text, token_ids = self.encode_prompt(prompt)
         group = _Group(request_id, text if prompt_text is None else prompt_text, token_ids)
         sample_params = (
@@ -90,10 +95,13 @@ class LLMEngine:
         try:
             for i, sp in enumerate(sample_params):
                 sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
-                req = self.core.add_request(sample_id, token_ids, sp, arrival_time, priority)
+                req = self.core.add_request(
+                    sample_id, token_ids, sp, arrival_time, priority, pooling
+                )
+                # A prefill-only request has no output text to stream.
                 detok = (
                     IncrementalDetokenizer(self.tokenizer, token_ids, sp)
-                    if self.tokenizer
+                    if self.tokenizer and not req.prefill_only
                     else None
                 )
                 group.samples.append(_Sample(req, detok))
@@ -209,6 +217,7 @@ class LLMEngine:
             if first.params.prompt_logprobs is not None
             else None,
             error=group.error,
+            embedding=first.pooling.embedding if first.pooling is not None else None,
         )
 
 

@@ -43,4 +43,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Set when the engine failed this request (finish_reason "error"): what went wrong.
     error: str | None = None
+    # A pooling request's pooled final hidden state (engine/pooling.py), once finished.
+    embedding: list[float] | None = None
     extra: dict = field(default_factory=dict)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import TokenLogprobs
+from engine.pooling import PoolingState
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +56,8 @@ class Request:
     matcher: RequestMatcher | None = None
     stop_reason: int | str | None = None
     error: str | None = None  # set with FINISHED_ERROR
+    # A pooling (embedding) request: its prompt's hidden states, pooled as they are computed.
+    pooling: PoolingState | None = None
     # Speculative decoding: tokens proposed after the last output token, verified by the next
     # step that schedules the request; and what this request's verifications added up to.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -63,6 +66,20 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_tokens=0 (prompt logprobs, pooling): it ends once its prompt is computed and
+        never samples."""
+        return self.max_tokens == 0
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Whether every prompt position must be computed by this request, so that no prefix-cache
+        hit may skip any: prompt logprobs, and pooling over all positions."""
+        return self.params.prompt_logprobs is not None or (
+            self.pooling is not None and self.pooling.params.needs_every_position
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

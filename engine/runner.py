@@ -9,7 +9,7 @@ token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +40,10 @@ class RunnerOutput:
     # prompt logprobs; row j predicts the token at position first + j + 1
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
     num_context_tokens: int  # sum over requests of the context attended this step
+    # request id -> (first position, hidden states [n, hidden] after the final norm) for chunks
+    # of pooling requests: every row of the chunk, or for "last" pooling only the prompt's last
+    # row, in the chunk that reaches it
+    pooled_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -71,12 +75,16 @@ class ModelRunner:
                 meta.query_start_loc[i + 1] - s.num_sample_rows, meta.query_start_loc[i + 1]
             )
         ]
-        logits = self.model.compute_logits(hidden[sample_rows])
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[sample_rows])
+        else:  # only prefill-only requests, or unfinished prompts: nothing samples
+            logits = torch.empty((0, self.model.config.vocab_size), device=hidden.device)
         return RunnerOutput(
             sampled=[s for s in items if s.samples],
             logits=logits,
             prompt_logits=self._prompt_logits(items, hidden, meta),
             num_context_tokens=sum(meta.seq_lens_list),
+            pooled_hidden=self._pooled_hidden(items, hidden, meta),
         )
 
     def _graph_step(self, items: list[ScheduledRequest]) -> bool:
@@ -141,6 +149,23 @@ class ModelRunner:
                 continue  # past the prompt; a 1-token prompt still gets its [None] entry
             start = meta.query_start_loc[i]
             out[req.request_id] = (first, self.model.compute_logits(hidden[start : start + n]))
+        return out
+
+    def _pooled_hidden(
+        self, items: list[ScheduledRequest], hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> dict[str, tuple[int, torch.Tensor]]:
+        out: dict[str, tuple[int, torch.Tensor]] = {}
+        for i, s in enumerate(items):
+            req = s.request
+            if req.pooling is None:
+                continue
+            first, start = req.num_computed_tokens, meta.query_start_loc[i]
+            # A pooling request has no output tokens: every row of its chunk is a prompt position.
+            if req.pooling.params.needs_every_position:
+                out[req.request_id] = (first, hidden[start : start + s.num_tokens])
+            elif first + s.num_tokens == req.num_prompt_tokens:
+                end = start + s.num_tokens
+                out[req.request_id] = (req.num_prompt_tokens - 1, hidden[end - 1 : end])
         return out
 
 

@@ -46,9 +46,12 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's tokens, so it yields a new token."""
+        """Whether this chunk reaches the end of the request's tokens, so it yields a new token
+        (a prefill-only request never does: it ends there)."""
         end = self.request.num_computed_tokens + self.num_tokens
-        return end == self.request.num_tokens + len(self.spec_token_ids)
+        return end == self.request.num_tokens + len(self.spec_token_ids) and (
+            not self.request.prefill_only
+        )
 
     @property
     def num_sample_rows(self) -> int:
@@ -159,11 +162,18 @@ class Scheduler:
         """Advance computed counts, append the new tokens (one, or the accepted drafts and one
         more) up to a stop, finish requests; returns the finished. Requests in `resample` got
         no token this step (another request's sampling failed with theirs): their last position
-        is computed again next step, which samples it."""
+        is computed again next step, which samples it. A prefill-only request finishes
+        ("length": it may generate no token) once its prompt is computed."""
         finished = []
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_tokens
+            if request.prefill_only:
+                if request.num_computed_tokens >= request.num_prompt_tokens:
+                    if not request.status.finished:
+                        self.finish(request, RequestStatus.FINISHED_LENGTH)
+                        finished.append(request)
+                continue
             if request.request_id in resample and not request.status.finished:
                 self._roll_back(request, 1 + len(s.spec_token_ids))
                 continue

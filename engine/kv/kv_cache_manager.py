@@ -47,7 +47,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, in whole blocks. The hit is capped below the
         request's length so that at least its last token is computed (it yields the logits)."""
-        if not self.enable_prefix_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_prefix_caching or request.needs_every_prompt_position:
             return [], 0
         hashes = self._update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
