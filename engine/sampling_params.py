@@ -88,8 +88,10 @@ class SamplingParams:
             raise bad("seed", self.seed, f"an integer in [0, 2**63 - {_MAX_SAMPLES})")
         if self.n > _MAX_SAMPLES:
             raise bad("n", self.n, f"<= {_MAX_SAMPLES}")
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        # max_tokens=0 is a prefill-only request: the prompt is computed (prompt logprobs,
+        # pooled hidden states) and nothing is generated.
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 0")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
