@@ -197,6 +197,11 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    def is_unfinished(self, request_id: str) -> bool:
+        """Whether a request is still served: neither finished nor aborted. Exact on the engine
+        thread (step observers forget aborted requests by it), a moment late elsewhere."""
+        return request_id in self._streams
+
     @property
     def num_waiting(self) -> int:
         """Samples not yet running: submitted and not added yet, or in the waiting queue. Counted
