@@ -1,10 +1,10 @@
 """Turns one step's logits into next tokens, with vLLM v1 semantics.
 
 Order per row: logprobs of the raw logits (before anything below), the structured-output grammar
-mask (constrained rows only), repetition penalty, frequency and presence penalties, min_tokens
-masking; then greedy rows take the argmax and random rows go through temperature, min_p, top_k,
-top_p and a draw from their own generator. Work is batched over rows; rows that do not use a
-feature pay nothing for it.
+mask (constrained rows only), logit_bias (before penalties, as in vLLM), repetition penalty,
+frequency and presence penalties, min_tokens masking; then greedy rows take the argmax and random
+rows go through temperature, min_p, top_k, top_p and a draw from their own generator. Work is
+batched over rows; rows that do not use a feature pay nothing for it.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def process_logits(
     logits: torch.Tensor, rows: Sequence[SamplingRow], grammar: GrammarMask | None
 ) -> None:
     """In place, what every row gets before greedy or random choice: the grammar mask,
-    penalties and min_tokens."""
+    logit_bias, penalties and min_tokens."""
     if grammar is not None:
         apply_grammar_mask(logits, grammar)
+    apply_logit_bias(logits, rows)
     apply_penalties(logits, rows)
     apply_min_tokens(logits, rows)
 
@@ -97,12 +98,28 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], k: int) -> 
     for start in range(0, len(next_token_ids), _PROMPT_CHUNK):
         end = start + _PROMPT_CHUNK
         logprobs = torch.log_softmax(logits[start:end].float(), dim=-1)
-        actual = logprobs.gather(1, next_ids[start:end].unsqueeze(1)).squeeze(1).tolist()
-        entries += _entries(next_token_ids[start:end], actual, logprobs, [k] * len(actual))
+        actual = logprobs.gather(1, next_ids[start:end].unsqueeze(1))
+        # vLLM's rank: 1 + how many tokens are strictly more likely than the prompt token.
+        ranks = ((logprobs > actual).sum(dim=-1) + 1).tolist()
+        actual = actual.squeeze(1).tolist()
+        chunk = _entries(next_token_ids[start:end], actual, logprobs, [k] * len(actual))
+        entries += [RankedLogprobs(e, rank) for e, rank in zip(chunk, ranks, strict=True)]
     return entries
 
 
-# ----- penalties and min_tokens ------------------------------------------------------------------
+class RankedLogprobs(dict):
+    """One prompt position's TokenLogprobs (the prompt token first, then the top k in order),
+    plus the prompt token's rank in the whole distribution, which the top k cannot tell when the
+    token is not among them. A dict, so everything that reads TokenLogprobs reads it unchanged."""
+
+    __slots__ = ("rank",)
+
+    def __init__(self, entry: TokenLogprobs, rank: int) -> None:
+        super().__init__(entry)
+        self.rank = rank
+
+
+# ----- logit_bias, penalties and min_tokens -------------------------------------------------------
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -122,6 +139,21 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     if items:
         row_idx, tok_idx = _token_pairs(items, logits)
         logits[row_idx, tok_idx] = _NEG_INF
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: add each row's logit_bias to its tokens' logits. A token the grammar masked stays
+    at -inf (-inf + 100 is -inf), so a bias never lets a constrained row leave its grammar."""
+    items = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if not items:
+        return
+    row_idx, tok_idx = _token_pairs([(i, list(bias)) for i, bias in items], logits)
+    values = torch.tensor(
+        [v for _, bias in items for t, v in bias.items() if t < logits.shape[1]],
+        dtype=logits.dtype,
+    )
+    # Keys of a dict are distinct, so no (row, token) pair repeats and += is exact.
+    logits[row_idx, tok_idx] += values.to(logits.device)
 
 
 def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -13,6 +13,8 @@ from engine.structured.grammar import parse_spec
 # torch generators take 64-bit seeds; n > 1 samples use seed + index, so keep room for the index.
 _MAX_SAMPLES = 1 << 16
 _MAX_SEED = (1 << 63) - _MAX_SAMPLES
+# OpenAI's logit_bias range: -100 bans a token in practice, +100 makes it the only choice.
+MAX_LOGIT_BIAS = 100.0
 # Token ids and counts become int64 tensors in the sampler; anything larger cannot be one.
 _MAX_INT64 = (1 << 63) - 1
 
@@ -49,6 +51,8 @@ class SamplingParams:
     # Structured output: {"json": schema}, {"regex": pattern} or {"choice": [strings]}; the output
     # is constrained to it and the request stops when it is complete (engine/structured/).
     structured: dict | None = None
+    # token id -> added to its logit before sampling (OpenAI's logit_bias), in [-100, 100].
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -106,8 +110,33 @@ class SamplingParams:
             not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
         ):
             raise bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0")
+        if self.logit_bias is not None:
+            self._validate_logit_bias()
         if self.structured is not None:
             parse_spec(self.structured)  # raises InvalidStructuredOutputError naming the problem
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise InvalidSamplingParamsError(
+                f"logit_bias must be a map of token id to bias, got {bias!r}", param="logit_bias"
+            )
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token <= _MAX_INT64:
+                raise InvalidSamplingParamsError(
+                    f"logit_bias keys must be token ids (integers >= 0), got {token!r}",
+                    param="logit_bias",
+                )
+            if not (
+                isinstance(value, int | float)
+                and not isinstance(value, bool)
+                and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+            ):
+                raise InvalidSamplingParamsError(
+                    f"logit_bias values must be numbers in [-100, 100], got {value!r} for token "
+                    f"{token}",
+                    param="logit_bias",
+                )
 
     def clone_for_sample(self, index: int) -> SamplingParams:
         """Parameters for the index-th of n samples: n=1, and a distinct seed when one is set."""
@@ -116,6 +145,12 @@ class SamplingParams:
         params.n = 1
         params.seed = seed
         return params
+
+
+def generator_seed(seed: int) -> int:
+    """Any integer as a seed this class accepts, deterministically: the OpenAI API takes any
+    64-bit seed (negative too), torch's generators and the per-sample offsets need less."""
+    return seed % _MAX_SEED
 
 
 def _is_int(value: object) -> bool:

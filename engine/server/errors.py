@@ -84,6 +84,19 @@ def as_api_error(e: BaseException) -> APIError:
     return APIError(500, f"internal server error: {type(e).__name__}: {e}")
 
 
+# pydantic's names for the members of a union, which its error locations include after the
+# field ("prompt.list[int].0"): not part of the request's own path.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "null"})
+
+
+def field_path(loc: tuple) -> str:
+    """The request field a validation error is about, as OpenAI's param names it:
+    "temperature", "messages.0.content", "logit_bias.50256" (no "body", no union members)."""
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBERS))]
+    return ".".join(parts)
+
+
 def sse_error(e: BaseException) -> str:
     """The SSE event a failed stream ends with (before `data: [DONE]`)."""
     err = as_api_error(e)
@@ -98,7 +111,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = field_path(tuple(first.get("loc", ())))
         message = str(first.get("msg", "invalid request body"))
         if first.get("type") == "json_invalid":
             message = f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}"

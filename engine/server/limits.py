@@ -19,6 +19,9 @@ class RequestLimits:
     max_samples: int = 1024  # n x prompts in one request
     max_stop: int = 64  # stop strings, and separately stop_token_ids
     max_stop_chars: int = 1024  # characters in one stop string
+    # logit_bias entries: each is added on every step of every sample, so a bias over the whole
+    # vocabulary with n = 128 would slow every step of every request.
+    max_logit_bias: int = 1024
     max_request_bytes: int = 16 << 20  # the HTTP body
 
 
@@ -35,6 +38,9 @@ def check_sampling(body, limits: RequestLimits) -> None:
     for s in stop:
         if len(s) > limits.max_stop_chars:
             raise _over("stop", f"a string of {len(s)} characters", limits.max_stop_chars, None)
+    bias = getattr(body, "logit_bias", None) or {}
+    if len(bias) > limits.max_logit_bias:
+        raise _over("logit_bias", f"{len(bias)} tokens", limits.max_logit_bias, None)
     for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
         value = getattr(body, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > limits.max_logprobs:

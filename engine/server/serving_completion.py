@@ -1,5 +1,12 @@
 """POST /v1/completions: one or more prompts (text or token ids), n samples each, then OpenAI's
-text_completion body or its stream (choice index = prompt index x n + sample index)."""
+text_completion body or its stream (choice index = prompt index x n + sample index).
+
+Legacy logprobs (tokens, token_logprobs, top_logprobs, text_offset) cover the returned text:
+with echo, the prompt's tokens first (the first one has no logprob: null), then the generated
+ones; text_offset is each token's character offset in the choice's text, continued across a
+stream's chunks. echo with max_tokens 0 scores a prompt without generating (lm-eval-harness's
+loglikelihood requests). vLLM's extras: prompt_logprobs and return_token_ids (token_ids,
+prompt_token_ids) on each choice, stop_reason too."""
 
 from __future__ import annotations
 
@@ -8,14 +15,35 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from engine.server.errors import APIError
 from engine.server.limits import check_prompt_count, check_samples, check_sampling
 from engine.server.protocol import CompletionRequest
-from engine.server.serving_engine import DONE, OpenAIServing, chain, first_output, last_output
+from engine.server.serving_engine import (
+    DONE,
+    OpenAIServing,
+    chain,
+    finite_logprob,
+    first_output,
+    last_output,
+)
+
+# (token ids, their logprob entries (None: no logprob), offset of the first one in the text)
+LogprobsPart = tuple[list[int], list[TokenLogprobs | None], int]
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What a stream has sent of one choice."""
+
+    chars: int = 0  # characters of text, the echoed prompt included
+    text: int = 0  # characters of the sample's own text (CompletionOutput.text)
+    tokens: int = 0  # generated tokens
+    started: bool = False
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -49,22 +77,74 @@ class OpenAIServingCompletion(OpenAIServing):
     def _choice(
         self, index: int, body: CompletionRequest, final: RequestOutput, o: CompletionOutput
     ) -> dict:
-        text = (self.prompt_text(final) if body.echo else "") + o.text
+        prompt = self.prompt_text(final) if body.echo else ""
         logprobs = None
-        if o.logprobs is not None:
-            logprobs = {
-                "tokens": [self.token_text(t) for t in o.token_ids],
-                "token_logprobs": [lp.get(t) for t, lp in zip(o.token_ids, o.logprobs)],
-                "top_logprobs": [
-                    {self.token_text(t): v for t, v in lp.items()} for lp in o.logprobs
-                ],
-                "text_offset": [],
-            }
-        return {
+        if body.logprobs is not None:
+            parts = [self._generated_part(o, 0, len(prompt))]
+            if body.echo:
+                parts.insert(0, self._prompt_part(final))
+            logprobs = self.completion_logprobs(parts)
+        choice = {
             "index": index,
-            "text": text,
+            "text": prompt + o.text,
             "logprobs": logprobs,
             "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        if final.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_json(final)
+        return self._token_ids(choice, body, final, o.token_ids, with_prompt=True)
+
+    def _token_ids(
+        self,
+        choice: dict,
+        body: CompletionRequest,
+        out: RequestOutput,
+        token_ids: list[int],
+        with_prompt: bool,
+    ) -> dict:
+        """vLLM's return_token_ids: the choice's token_ids, and prompt_token_ids (in a stream
+        only on a choice's first chunk)."""
+        if body.return_token_ids:
+            if with_prompt:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choice["token_ids"] = list(token_ids)
+        return choice
+
+    def _prompt_part(self, out: RequestOutput) -> LogprobsPart:
+        ids = list(out.prompt_token_ids)
+        return ids, _aligned(out.prompt_logprobs, len(ids)), 0
+
+    def _generated_part(self, o: CompletionOutput, start: int, offset: int) -> LogprobsPart:
+        """Generated tokens start.. of one sample, the first at character `offset`."""
+        ids = list(o.token_ids[start:])
+        return ids, _aligned((o.logprobs or [])[start:], len(ids)), offset
+
+    def completion_logprobs(self, parts: list[LogprobsPart]) -> dict:
+        """OpenAI's legacy logprobs object over consecutive runs of tokens."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        for token_ids, entries, offset in parts:
+            for token_id, entry in zip(token_ids, entries, strict=True):
+                text = self.token_text(token_id)
+                tokens.append(text)
+                text_offset.append(offset)
+                offset += len(text)
+                if entry is None:
+                    token_logprobs.append(None)
+                    top_logprobs.append(None)
+                    continue
+                token_logprobs.append(finite_logprob(entry[token_id]))
+                top_logprobs.append(
+                    {self.token_text(t): finite_logprob(v) for t, v in entry.items()}
+                )
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
         }
 
     def _response(self, rid: str, body: CompletionRequest, finals: list[RequestOutput]) -> dict:
@@ -78,7 +158,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
-            "model": body.model,
+            "model": self.served_model_name,
             "choices": choices,
             "usage": self.usage(finals),
         }
@@ -103,7 +183,7 @@ class OpenAIServingCompletion(OpenAIServing):
             await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-        sent = {}
+        sent: dict[tuple[int, int], _Sent] = {}
         finals: dict[int, RequestOutput] = {}
         try:
             running = len(tasks)
@@ -115,30 +195,17 @@ class OpenAIServingCompletion(OpenAIServing):
                     running -= 1
                     continue
                 finals[i] = out
-                choices = []
-                for o in out.outputs:
-                    key = (i, o.index)
-                    prev = sent.get(key, "")
-                    delta = o.text[len(prev) :]
-                    if body.echo and key not in sent:
-                        delta = self.prompt_text(out) + delta
-                    if not delta and o.finish_reason is None:
-                        continue
-                    sent[key] = o.text
-                    choices.append(
-                        {
-                            "index": i * body.n + o.index,
-                            "text": delta,
-                            "logprobs": None,
-                            "finish_reason": o.finish_reason,
-                        }
-                    )
+                choices = [
+                    choice
+                    for o in out.outputs
+                    if (choice := self._stream_choice(body, i, out, o, sent)) is not None
+                ]
                 if choices:
                     data = {
                         "id": rid,
                         "object": "text_completion",
                         "created": created,
-                        "model": body.model,
+                        "model": self.served_model_name,
                         "choices": choices,
                     }
                     yield f"data: {json.dumps(data)}\n\n"
@@ -149,7 +216,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     "id": rid,
                     "object": "text_completion",
                     "created": created,
-                    "model": body.model,
+                    "model": self.served_model_name,
                     "choices": [],
                     "usage": self.usage([finals[i] for i in sorted(finals)]),
                 }
@@ -160,3 +227,44 @@ class OpenAIServingCompletion(OpenAIServing):
                 t.cancel()
             for s in streams:
                 await s.aclose()
+
+    def _stream_choice(
+        self,
+        body: CompletionRequest,
+        i: int,
+        out: RequestOutput,
+        o: CompletionOutput,
+        sent: dict[tuple[int, int], _Sent],
+    ) -> dict | None:
+        """The chunk's choice for what sample o added since the last one (None: nothing yet).
+        A choice's first chunk carries the echoed prompt, its logprobs and prompt_token_ids."""
+        state = sent.setdefault((i, o.index), _Sent())
+        first = not state.started
+        prompt = self.prompt_text(out) if body.echo and first else ""
+        delta = o.text[state.text :]
+        if not prompt and not delta and o.finish_reason is None:
+            return None  # tokens whose text is held back (a possible stop string) wait with it
+        logprobs = None
+        if body.logprobs is not None:
+            parts = [self._generated_part(o, state.tokens, state.chars + len(prompt))]
+            if prompt:
+                parts.insert(0, self._prompt_part(out))
+            logprobs = self.completion_logprobs(parts)
+        choice = {
+            "index": i * body.n + o.index,
+            "text": prompt + delta,
+            "logprobs": logprobs,
+            "finish_reason": o.finish_reason,
+            "stop_reason": o.stop_reason,
+        }
+        choice = self._token_ids(choice, body, out, o.token_ids[state.tokens :], with_prompt=first)
+        state.started = True
+        state.chars += len(prompt) + len(delta)
+        state.text, state.tokens = len(o.text), len(o.token_ids)
+        return choice
+
+
+def _aligned(entries: list[TokenLogprobs | None] | None, count: int) -> list[TokenLogprobs | None]:
+    """count entries, one per token: None where the engine recorded none."""
+    entries = list(entries or [])[:count]
+    return entries + [None] * (count - len(entries))

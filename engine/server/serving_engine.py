@@ -22,6 +22,9 @@ DONE = "data: [DONE]\n\n"
 
 
 class OpenAIServing:
+    # The request field that holds the prompt, as errors name it: "messages" for chat.
+    prompt_field = "prompt"
+
     def __init__(
         self,
         engine: AsyncEngine,
@@ -41,8 +44,9 @@ class OpenAIServing:
         # No prompt longer than this can fit, whatever it says: no token covers more characters.
         self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
 
-    def check_model(self, name: str) -> None:
-        if name != self.served_model_name:
+    def check_model(self, name: str | None) -> None:
+        """The requested model; None (the field left out) means the served one, as in vLLM."""
+        if name is not None and name != self.served_model_name:
             raise APIError(
                 404,
                 f"model {name!r} does not exist; this server serves {self.served_model_name!r}",
@@ -62,9 +66,59 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
+    def check_context(self, prompt_ids: list[int], max_tokens: int | None) -> None:
+        """Prompt + completion within the context, refused in OpenAI's words (clients such as
+        LiteLLM recognise "This model's maximum context length is" and the code, and raise their
+        context-window error). The engine checks again, as the last line of defence."""
+        limit = self.info.max_request_tokens  # max_model_len, or less when the KV pool is smaller
+        field = self.prompt_field
+        p = len(prompt_ids)
+        if max_tokens is not None and max_tokens >= limit:
+            # Too large whatever the prompt: the completion's own field is at fault.
+            raise APIError(
+                400,
+                f"max_tokens is too large: {max_tokens}. This model's maximum context length is "
+                f"{limit} tokens, and the {field} takes at least one.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        if max_tokens is None:
+            if p < limit:
+                return  # the completion may take the rest
+            detail = f"your {field} resulted in {p} tokens, leaving no room for the completion"
+        elif p + max_tokens <= limit:
+            return
+        else:
+            detail = (
+                f"you requested {p + max_tokens} tokens ({p} in the {field}, {max_tokens} in the "
+                "completion)"
+            )
+        raise APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, {detail}. Please "
+            f"reduce the length of the {field} or completion.",
+            param=field,
+            code="context_length_exceeded",
+        )
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
+        if outside:
+            raise APIError(
+                400,
+                f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
+
     def submit(
         self, rid: str, prompts: list[tuple[list[int], str | None]], params: SamplingParams
     ) -> list[RequestStream]:
+        """Admit the prompts' samples at once, after the checks that need the tokens (context
+        length) or the model (logit_bias ids in its vocabulary)."""
+        self.check_logit_bias(params)
+        for ids, _ in prompts:
+            self.check_context(ids, params.max_tokens)
         samples = params.n * len(prompts)
         limit = self.max_waiting_requests
         if limit is not None and samples > limit:
@@ -142,6 +196,34 @@ class OpenAIServing:
             return out.prompt
         return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
 
+    def prompt_logprobs_json(self, out: RequestOutput) -> list[dict | None] | None:
+        """vLLM's prompt_logprobs (a choice's in completions, the response's in chat): per prompt
+        position, {token id: {"logprob", "rank", "decoded_token"}} for the prompt token and the
+        top k; null for the first position, which has no context."""
+        if out.prompt_logprobs is None:
+            return None
+        return [
+            None if entry is None else self.ranked_logprobs(entry) for entry in out.prompt_logprobs
+        ]
+
+    def ranked_logprobs(self, entry: dict[int, float]) -> dict[str, dict]:
+        """One position's logprobs with vLLM's rank (1 = most likely). The first key is the
+        prompt (or sampled) token, whose exact rank the sampler records; the others are the top
+        k, each ranked by the entries above it (none outside the top k can be)."""
+        first = next(iter(entry), None)
+        exact = getattr(entry, "rank", None)
+        out = {}
+        for token, logprob in entry.items():
+            rank = 1 + sum(v > logprob for v in entry.values())
+            if token == first and exact is not None:
+                rank = exact
+            out[str(token)] = {
+                "logprob": finite_logprob(logprob),
+                "rank": rank,
+                "decoded_token": self.token_text(token),
+            }
+        return out
+
     def token_text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return str(token_id)
@@ -190,6 +272,11 @@ async def last_output(first: RequestOutput, rest: AsyncIterator[RequestOutput]) 
     async for out in chain(first, rest):
         final = out
     return final
+
+
+def finite_logprob(logprob: float) -> float:
+    """-inf as OpenAI and vLLM send it, -9999.0: JSON has no infinity."""
+    return max(logprob, -9999.0)
 
 
 def max_token_chars(tokenizer) -> int:
