@@ -55,6 +55,7 @@ class EngineInfo:
     """What a server needs to know about the engine; fixed once it is built."""
 
     model: str  # as configured: a folder or a model name
+    model_dir: str  # the folder it was loaded from
     max_model_len: int
     # The longest request (prompt + output) the KV cache can hold: max_model_len or less.
     max_request_tokens: int
@@ -407,6 +408,7 @@ def _info(config: EngineConfig, engine: LLMEngine) -> EngineInfo:
     core = engine.core
     return EngineInfo(
         model=str(config.model),
+        model_dir=str(engine.model_dir),
         max_model_len=core.max_model_len,
         max_request_tokens=core.max_request_tokens,
         num_kv_blocks=core.num_blocks,

@@ -49,6 +49,7 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         model_dir = resolve_model(config.model)
+        self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.core = EngineCore(config, model_dir, self.tokenizer)
         self._groups: dict[str, _Group] = {}

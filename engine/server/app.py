@@ -26,8 +26,13 @@ from engine.server.limits import BodySizeLimit, RequestLimits
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import CompletionRequest
 from engine.server.protocol_chat import ChatCompletionRequest
+from engine.server.protocol_embedding import EmbeddingRequest
+from engine.server.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from engine.server.serving_chat import OpenAIServingChat
 from engine.server.serving_completion import OpenAIServingCompletion
+from engine.server.serving_embedding import OpenAIServingEmbedding
+from engine.server.serving_models import OpenAIServingModels
+from engine.server.serving_tokenize import OpenAIServingTokenization
 
 VERSION = "0.1.0"
 
@@ -41,9 +46,12 @@ def create_app(
     *,
     cors: CorsConfig | None = None,
     tool_call_parser: str | None = None,
+    pooling_type: str = "last",
 ) -> FastAPI:
     """tool_call_parser: how "auto" tool choice finds calls in the model's text (hermes,
-    llama3_json, mistral); None picks one from the chat template."""
+    llama3_json, mistral); None picks one from the chat template. pooling_type: how
+    /v1/embeddings pools the final hidden states, "last" (vLLM's default for decoder models)
+    or "mean"."""
     limits = limits or RequestLimits()
 
     @asynccontextmanager
@@ -62,7 +70,9 @@ def create_app(
     serving = (engine, served_model_name, metrics, limits, max_waiting_requests)
     chat = OpenAIServingChat(*serving, tool_call_parser=tool_call_parser)
     completion = OpenAIServingCompletion(*serving)
-    info = engine.info
+    embedding = OpenAIServingEmbedding(*serving, pooling_type=pooling_type)
+    tokenization = OpenAIServingTokenization(*serving)
+    model_cards = OpenAIServingModels(engine.info, served_model_name)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -70,6 +80,9 @@ def create_app(
         return JSONResponse(
             {"status": "ok" if ok else "engine loop stopped"}, status_code=200 if ok else 503
         )
+
+    # vLLM's SageMaker-compatible probe: the same answer as /health, to GET and POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -81,14 +94,12 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "nightshift",
-            "max_model_len": info.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+        return model_cards.list()
+
+    # :path, since a served name may hold slashes ("org/model").
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict:
+        return model_cards.retrieve(model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -97,5 +108,18 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await completion.create(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await embedding.create(body, request)
+
+    # At the root, as vLLM serves them; they need the API key too when one is set (auth.py).
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return await tokenization.detokenize(body)
 
     return app

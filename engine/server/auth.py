@@ -1,5 +1,6 @@
 """The API key: where it comes from (never argv alone, which every local user sees in `ps`), and
-the check on /v1/ routes (bearer scheme case-insensitive, the key compared in constant time)."""
+the check on /v1/ routes and the tokenizer endpoints (bearer scheme case-insensitive, the key
+compared in constant time)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from engine.server.errors import error_response
 
 API_KEY_ENV = "NIGHTSHIFT_API_KEY"
+# Routes outside /v1/ that use the model (its tokenizer), so need the key as vLLM asks for it.
+_GUARDED_ROOT_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
 class APIKeyError(ValueError):
@@ -45,15 +48,15 @@ def is_loopback(host: str) -> bool:
 
 
 class APIKeyCheck:
-    """ASGI middleware: /v1/ routes need `Authorization: Bearer <key>`; health, metrics and
-    version stay open for probes and scrapers, as in vLLM."""
+    """ASGI middleware: /v1/ routes, /tokenize and /detokenize need `Authorization: Bearer
+    <key>`; health, ping, metrics and version stay open for probes and scrapers, as in vLLM."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and not self._ok(scope):
+        if scope["type"] == "http" and _guarded(scope["path"]) and not self._ok(scope):
             response = error_response(
                 401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
             )
@@ -66,3 +69,7 @@ class APIKeyCheck:
         header = dict(scope.get("headers") or ()).get(b"authorization", b"")
         scheme, _, token = header.strip().partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1/") or path.rstrip("/") in _GUARDED_ROOT_PATHS
