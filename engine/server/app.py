@@ -66,7 +66,7 @@ def create_app(
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key)  # before reading a body
     add_cors(app, cors or CorsConfig())  # outermost: preflights never carry the key
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, served_model_name)
     serving = (engine, served_model_name, metrics, limits, max_waiting_requests)
     chat = OpenAIServingChat(*serving, tool_call_parser=tool_call_parser)
     completion = OpenAIServingCompletion(*serving)

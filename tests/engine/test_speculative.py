@@ -327,10 +327,14 @@ def test_server_reports_speculation_in_usage_and_metrics(chat_model):
         for line in metrics.splitlines()
         if line.startswith("nightshift:spec_decode")
     }
-    assert values["nightshift:spec_decode_num_draft_tokens_total"] > 0
-    assert values["nightshift:spec_decode_acceptance_rate"] == 1.0
-    assert values["nightshift:spec_decode_mean_acceptance_length"] > 1.0
-    assert values['nightshift:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+    tiny = '{model_name="tiny"}'
+    assert values[f"nightshift:spec_decode_num_draft_tokens_total{tiny}"] > 0
+    assert values[f"nightshift:spec_decode_acceptance_rate{tiny}"] == 1.0
+    assert values[f"nightshift:spec_decode_mean_acceptance_length{tiny}"] > 1.0
+    per_pos = (
+        'nightshift:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}'
+    )
+    assert values[per_pos] > 0
 
 
 # ----- configuration -----------------------------------------------------------------------------

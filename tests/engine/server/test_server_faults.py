@@ -137,7 +137,7 @@ def test_a_request_failing_mid_stream_ends_with_an_error_event_and_done(server, 
     assert json.loads(good_events[-2])["choices"][0]["finish_reason"] == "length"
     assert engine.engine.core.requests == {}
     metrics = httpx.get(f"{url}/metrics").text
-    assert _metric(metrics, "nightshift:request_failed_total") >= 1
+    assert _metric(metrics, 'nightshift:request_failed_total{model_name="tiny"}') >= 1
 
 
 def test_a_request_failing_without_streaming_is_a_500_in_openai_shape(server, poisoned):
@@ -171,7 +171,7 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server):
         engine.step_observers.remove(observe)
 
 
-_ABORTED = 'nightshift:request_aborted_total{reason="client_disconnect"}'
+_ABORTED = 'nightshift:request_aborted_total{model_name="tiny",reason="client_disconnect"}'
 
 
 def _metric(text: str, name: str) -> float:
