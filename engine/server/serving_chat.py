@@ -1,5 +1,14 @@
-"""POST /v1/chat/completions: messages rendered by the model's chat template, then OpenAI's
-chat.completion body or its chat.completion.chunk stream."""
+"""POST /v1/chat/completions: messages (with tools, tool calls and tool results) rendered by the
+chat template, then OpenAI's chat.completion body or its chat.completion.chunk stream.
+
+Tool calls: "required" and named functions are forced by a structured-output constraint built
+from the tools' schemas; "auto" reads calls out of the text with the model family's parser
+(--tool-call-parser, or the one the chat template's markers call for). Either way each choice's
+text goes through a reader (tool_choice.py) that turns it into content and calls, fed the same
+deltas whether the answer streams or not. finish_reason is "tool_calls" where calls were
+chosen by the model ("auto", "required"), "stop" for a named function (OpenAI's rule), and
+"length" whenever the answer was cut short. The legacy functions API answers with
+message.function_call and finish_reason "function_call"."""
 
 from __future__ import annotations
 
@@ -7,28 +16,48 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.limits import check_sampling
-from engine.server.protocol_chat import ChatCompletionRequest
+from engine.server.protocol_chat import ChatCompletionRequest, ToolSetup
 from engine.server.serving_engine import DONE, OpenAIServing, chain, first_output, last_output
+from engine.server.tool_choice import (
+    AutoCalls,
+    CallDelta,
+    NamedCall,
+    Piece,
+    PlainText,
+    RequiredCalls,
+    collect,
+)
+from engine.server.tool_parsers import detect_parser, parser_class
+from engine.tokenizer import template_text
+
+Reader = PlainText | NamedCall | RequiredCalls | AutoCalls
 
 
 class OpenAIServingChat(OpenAIServing):
+    prompt_field = "messages"
+
     def __init__(self, *args, tool_call_parser: str | None = None) -> None:
         super().__init__(*args)
+        if tool_call_parser is not None:
+            parser_class(tool_call_parser)  # an unknown name fails at start, not per request
         self.tool_call_parser = tool_call_parser
 
     async def create(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
         check_sampling(body, self.limits)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        setup = body.tool_setup()
+        messages = body.template_messages()
+        new_reader = self._readers(body, setup)
         # Every message renders to at least one token, every token to at most so many chars.
-        self.check_length(sum(len(m["content"]) for m in messages), "messages")
+        extra = json.dumps(setup.tools or []) + json.dumps(body.documents or [])
+        self.check_length(sum(len(m["content"]) for m in messages) + len(extra), "messages")
         if len(messages) > self.max_model_len:
             raise APIError(
                 400,
@@ -41,19 +70,61 @@ class OpenAIServingChat(OpenAIServing):
         params = await asyncio.to_thread(body.to_sampling_params)
         # Rendering and tokenizing run on a worker thread: neither the event loop nor the
         # engine's steps wait for them.
-        prompt_ids = await asyncio.to_thread(self.engine.encode_chat, messages)
+        prompt_ids = await asyncio.to_thread(
+            self.engine.encode_chat,
+            messages,
+            tools=setup.tools,
+            documents=body.documents,
+            chat_template=body.chat_template,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            template_kwargs=body.template_kwargs(),
+        )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.submit(rid, [(prompt_ids, None)], params)
 
         async def work():
             first = await first_output(streams[0])
             if body.stream:
-                return self.stream_response(self._stream(rid, body, first, streams[0]), streams)
+                events = self._stream(rid, body, setup, new_reader, first, streams[0])
+                return self.stream_response(events, streams)
             final = await last_output(first, streams[0])
             self.metrics.observe_finished(final)
-            return self._response(rid, body, final)
+            return self._response(rid, body, setup, new_reader, final)
 
         return await self.respond(request, work(), streams)
+
+    def _readers(self, body: ChatCompletionRequest, setup: ToolSetup) -> Callable[[], Reader]:
+        """How each choice's text is read, by tool_choice; refuses what cannot be honoured."""
+        if setup.tools is None:
+            return PlainText
+        template = template_text(self.tokenizer, body.chat_template) if self.tokenizer else ""
+        if "tools" not in template:
+            field = "chat_template" if body.chat_template else "tools"
+            raise APIError(
+                400,
+                "the chat template never renders tools, so the model would not see them; give "
+                "a chat_template that does, or leave tools out",
+                param=field,
+            )
+        if setup.named is not None:
+            return lambda: NamedCall(setup.named)
+        if setup.choice == "required":
+            return RequiredCalls
+        if setup.choice == "none":
+            return PlainText
+        name = self.tool_call_parser or detect_parser(template)
+        if name is None:
+            raise APIError(
+                400,
+                'tool_choice "auto" needs a tool-call parser, and this model\'s chat template '
+                "shows no known call format: start the server with --tool-call-parser "
+                '(hermes, llama3_json, mistral), or use tool_choice "required" or a named '
+                "function",
+                param="tool_choice",
+            )
+        parser = parser_class(name)
+        return lambda: AutoCalls(parser(), setup.parallel)
 
     def _logprobs(self, out: CompletionOutput, start: int, k: int) -> dict | None:
         """OpenAI's chat logprobs for tokens start.. of one choice (top k alternatives each)."""
@@ -80,16 +151,43 @@ class OpenAIServingChat(OpenAIServing):
             )
         return {"content": content}
 
-    def _response(self, rid: str, body: ChatCompletionRequest, final: RequestOutput) -> dict:
-        choices = [
-            {
-                "index": o.index,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": self._logprobs(o, 0, body.top_logprobs or 0),
-                "finish_reason": o.finish_reason,
-            }
-            for o in final.outputs
-        ]
+    def _response(
+        self,
+        rid: str,
+        body: ChatCompletionRequest,
+        setup: ToolSetup,
+        new_reader: Callable[[], Reader],
+        final: RequestOutput,
+    ) -> dict:
+        choices = []
+        for o in final.outputs:
+            reader = new_reader()
+            content, calls = collect(reader.feed(o.text) + reader.finish())
+            message: dict = {"role": "assistant", "content": content}
+            if calls:
+                message["content"] = content or None
+                if setup.legacy:
+                    message["function_call"] = {
+                        "name": calls[0].name,
+                        "arguments": calls[0].arguments,
+                    }
+                else:
+                    message["tool_calls"] = [
+                        {
+                            "id": _call_id(),
+                            "type": "function",
+                            "function": {"name": c.name, "arguments": c.arguments},
+                        }
+                        for c in calls
+                    ]
+            choices.append(
+                {
+                    "index": o.index,
+                    "message": message,
+                    "logprobs": self._logprobs(o, 0, body.top_logprobs or 0),
+                    "finish_reason": _finish_reason(o.finish_reason, setup, bool(calls)),
+                }
+            )
         return {
             "id": rid,
             "object": "chat.completion",
@@ -103,6 +201,8 @@ class OpenAIServingChat(OpenAIServing):
         self,
         rid: str,
         body: ChatCompletionRequest,
+        setup: ToolSetup,
+        new_reader: Callable[[], Reader],
         first: RequestOutput,
         outputs: AsyncIterator[RequestOutput],
     ) -> AsyncIterator[str]:
@@ -119,8 +219,11 @@ class OpenAIServingChat(OpenAIServing):
             }
             return f"data: {json.dumps(data)}\n\n"
 
-        sent_text = [""] * len(first.outputs)
-        sent_tokens = [0] * len(first.outputs)
+        count = len(first.outputs)
+        readers = [new_reader() for _ in range(count)]
+        call_ids: list[dict[int, str]] = [{} for _ in range(count)]
+        sent_text = [""] * count
+        sent_tokens = [0] * count
         yield chunk(
             [
                 {
@@ -129,30 +232,68 @@ class OpenAIServingChat(OpenAIServing):
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                for i in range(len(first.outputs))
+                for i in range(count)
             ]
         )
         final = first
         async for out in chain(first, outputs):
             final = out
-            choices = []
             for o in out.outputs:
-                delta = o.text[len(sent_text[o.index]) :]
-                if not delta and o.finish_reason is None:
-                    continue
-                choices.append(
-                    {
-                        "index": o.index,
-                        "delta": {"content": delta} if delta else {},
-                        "logprobs": self._logprobs(o, sent_tokens[o.index], body.top_logprobs or 0),
-                        "finish_reason": o.finish_reason,
+                i = o.index
+                reader = readers[i]
+                pieces = reader.feed(o.text[len(sent_text[i]) :])
+                sent_text[i] = o.text
+                if o.finish_reason is not None:
+                    pieces += reader.finish()
+                deltas = [_delta(p, setup.legacy, call_ids[i]) for p in pieces]
+                reason = None
+                if o.finish_reason is not None:
+                    reason = _finish_reason(o.finish_reason, setup, reader.num_calls > 0)
+                    deltas.append({})
+                elif not deltas:
+                    continue  # held back (a marker may be starting): the tokens' logprobs wait
+                for n, delta in enumerate(deltas):
+                    last = n == len(deltas) - 1
+                    logprobs = None
+                    if n == 0:
+                        logprobs = self._logprobs(o, sent_tokens[i], body.top_logprobs or 0)
+                        sent_tokens[i] = len(o.token_ids)
+                    choice = {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": logprobs,
+                        "finish_reason": reason if last else None,
                     }
-                )
-                sent_text[o.index], sent_tokens[o.index] = o.text, len(o.token_ids)
-            if choices:
-                yield chunk(choices)
+                    yield chunk([choice])
         if final.finished:
             self.metrics.observe_finished(final)
         if body.include_usage:
             yield chunk([], {"usage": self.usage([final])})
         yield DONE
+
+
+def _delta(piece: Piece, legacy: bool, ids: dict[int, str]) -> dict:
+    """One piece as a chunk's delta, in OpenAI's streaming shape: a call's first delta has its
+    index, id, type and name with empty arguments; later ones only index and arguments."""
+    if not isinstance(piece, CallDelta):
+        return {"content": piece}
+    function: dict = {"arguments": piece.arguments}
+    if piece.name is not None:
+        function = {"name": piece.name, "arguments": piece.arguments}
+    if legacy:
+        return {"function_call": function}
+    call: dict = {"index": piece.index}
+    if piece.name is not None:
+        ids[piece.index] = _call_id()
+        call |= {"id": ids[piece.index], "type": "function"}
+    return {"tool_calls": [call | {"function": function}]}
+
+
+def _finish_reason(reason: str | None, setup: ToolSetup, called: bool) -> str | None:
+    if reason != "stop" or not called or setup.named is not None:
+        return reason  # a named function ends as "stop", as OpenAI's does
+    return "function_call" if setup.legacy else "tool_calls"
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
