@@ -460,7 +460,7 @@ class ServerMetrics:
         decode = m.finish_time - m.first_token_time
         self.decode.observe(decode)
         # Mean per sample: the first token of each is prefill's, not decode's.
-        per_sample = sum(generated) / len(generated)
+        per_sample = sum(generated) / max(len(generated), 1)
         self.tpot.observe(decode / (per_sample - 1) if per_sample > 1 else 0.0)
         if per_sample > 1:
             self.legacy_tpot.observe(decode / (per_sample - 1))
