@@ -358,7 +358,7 @@ def test_every_error_has_the_openai_shape(server, method, path, content, status)
 def test_an_internal_error_is_a_500_in_openai_shape_and_the_server_goes_on(server, monkeypatch):
     url, engine = server
 
-    def broken(messages):
+    def broken(messages, **template_options):
         raise RuntimeError("template exploded")
 
     monkeypatch.setattr(engine.engine, "encode_chat", broken)
