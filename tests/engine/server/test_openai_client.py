@@ -129,7 +129,7 @@ def test_models_health_version(server):
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x " * 400}]},
             400,
-            "max_model_len",
+            "maximum context length is 256 tokens",  # OpenAI's words
         ),
     ],
 )
@@ -316,7 +316,9 @@ def test_logprobs(server):
         extra_body={"ignore_eos": True},
     ).choices[0]
     assert text.text.startswith("Hello")
-    assert len(text.logprobs.token_logprobs) == 3
+    # echo: the prompt's one token (no logprob: it has no context), then the 3 generated
+    assert len(text.logprobs.token_logprobs) == 1 + 3
+    assert text.logprobs.token_logprobs[0] is None
 
 
 def test_completions_several_prompts_and_n(server):
