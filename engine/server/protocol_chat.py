@@ -40,6 +40,11 @@ _RESERVED_KWARGS = frozenset(
         "return_dict",
         "return_tensors",
         "tokenizer_kwargs",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_assistant_tokens_mask",
     }
 )
 

@@ -24,7 +24,14 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.server.errors import APIError
 from engine.server.limits import check_sampling
 from engine.server.protocol_chat import ChatCompletionRequest, ToolSetup
-from engine.server.serving_engine import DONE, OpenAIServing, chain, first_output, last_output
+from engine.server.serving_engine import (
+    DONE,
+    OpenAIServing,
+    chain,
+    finite_logprob,
+    first_output,
+    last_output,
+)
 from engine.server.tool_choice import (
     AutoCalls,
     CallDelta,
@@ -95,10 +102,18 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(request, work(), streams)
 
     def _readers(self, body: ChatCompletionRequest, setup: ToolSetup) -> Callable[[], Reader]:
-        """How each choice's text is read, by tool_choice; refuses what cannot be honoured."""
+        """How each choice's text is read, by tool_choice; refuses what cannot be honoured,
+        tools or documents among them that the template would silently leave out."""
+        template = template_text(self.tokenizer, body.chat_template) if self.tokenizer else ""
+        if body.documents is not None and "documents" not in template:
+            raise APIError(
+                400,
+                "the chat template never renders documents, so the model would not see them; "
+                "give a chat_template that does, or leave documents out",
+                param="chat_template" if body.chat_template else "documents",
+            )
         if setup.tools is None:
             return PlainText
-        template = template_text(self.tokenizer, body.chat_template) if self.tokenizer else ""
         if "tools" not in template:
             field = "chat_template" if body.chat_template else "tools"
             raise APIError(
@@ -137,12 +152,12 @@ class OpenAIServingChat(OpenAIServing):
             content.append(
                 {
                     "token": text,
-                    "logprob": lp[token_id],
+                    "logprob": finite_logprob(lp[token_id]),
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
-                            "logprob": v,
+                            "logprob": finite_logprob(v),
                             "bytes": list(self.token_text(t).encode()),
                         }
                         for t, v in top
@@ -180,15 +195,17 @@ class OpenAIServingChat(OpenAIServing):
                         }
                         for c in calls
                     ]
-            choices.append(
-                {
-                    "index": o.index,
-                    "message": message,
-                    "logprobs": self._logprobs(o, 0, body.top_logprobs or 0),
-                    "finish_reason": _finish_reason(o.finish_reason, setup, bool(calls)),
-                }
-            )
-        return {
+            choice = {
+                "index": o.index,
+                "message": message,
+                "logprobs": self._logprobs(o, 0, body.top_logprobs or 0),
+                "finish_reason": _finish_reason(o.finish_reason, setup, bool(calls)),
+                "stop_reason": o.stop_reason,
+            }
+            if body.return_token_ids:
+                choice["token_ids"] = list(o.token_ids)
+            choices.append(choice)
+        response = {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
@@ -196,6 +213,12 @@ class OpenAIServingChat(OpenAIServing):
             "choices": choices,
             "usage": self.usage([final]),
         }
+        # vLLM's extras, at the top level in chat (the prompt is shared by every choice).
+        if final.prompt_logprobs is not None:
+            response["prompt_logprobs"] = self.prompt_logprobs_json(final)
+        if body.return_token_ids:
+            response["prompt_token_ids"] = list(final.prompt_token_ids)
+        return response
 
     async def _stream(
         self,
@@ -233,7 +256,8 @@ class OpenAIServingChat(OpenAIServing):
                     "finish_reason": None,
                 }
                 for i in range(count)
-            ]
+            ],
+            {"prompt_token_ids": list(first.prompt_token_ids)} if body.return_token_ids else None,
         )
         final = first
         async for out in chain(first, outputs):
@@ -254,16 +278,20 @@ class OpenAIServingChat(OpenAIServing):
                     continue  # held back (a marker may be starting): the tokens' logprobs wait
                 for n, delta in enumerate(deltas):
                     last = n == len(deltas) - 1
-                    logprobs = None
-                    if n == 0:
-                        logprobs = self._logprobs(o, sent_tokens[i], body.top_logprobs or 0)
-                        sent_tokens[i] = len(o.token_ids)
                     choice = {
                         "index": i,
                         "delta": delta,
-                        "logprobs": logprobs,
+                        "logprobs": None,
                         "finish_reason": reason if last else None,
                     }
+                    if last and o.finish_reason is not None:
+                        choice["stop_reason"] = o.stop_reason
+                    if n == 0:  # the tokens since the last chunk, held-back ones included
+                        start = sent_tokens[i]
+                        choice["logprobs"] = self._logprobs(o, start, body.top_logprobs or 0)
+                        if body.return_token_ids:
+                            choice["token_ids"] = list(o.token_ids[start:])
+                        sent_tokens[i] = len(o.token_ids)
                     yield chunk([choice])
         if final.finished:
             self.metrics.observe_finished(final)

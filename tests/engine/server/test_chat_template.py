@@ -7,6 +7,8 @@ the token count of the same render done directly with the tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -159,3 +161,39 @@ def test_top_logprobs_needs_logprobs(server):
     r = _post(url, top_logprobs=2, logprobs=True)
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert r.status_code == 200 and all(len(t["top_logprobs"]) == 2 for t in content)
+
+
+def test_documents_the_template_never_renders_are_refused(server):
+    url, _ = server
+    error = _error(url, documents=[{"text": "The sky is blue."}])
+    assert error["param"] == "documents"
+
+
+def test_return_token_ids_and_prompt_logprobs(server):
+    url, engine = server
+    prompt = render_chat(engine.info.tokenizer, ASK)
+    body = {"return_token_ids": True, "prompt_logprobs": 1, "max_tokens": 5, "ignore_eos": True}
+    r = _post(url, **body).json()
+    assert r["prompt_token_ids"] == prompt
+    choice = r["choices"][0]
+    assert len(choice["token_ids"]) == 5
+    assert engine.info.tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    logprobs = r["prompt_logprobs"]
+    assert len(logprobs) == len(prompt) and logprobs[0] is None
+    assert all(str(t) in entry for t, entry in zip(prompt[1:], logprobs[1:]))
+    # Streamed: prompt_token_ids on the first chunk, each chunk's new token ids on its choice.
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/chat/completions",
+        json={"model": MODEL, "messages": ASK, "temperature": 0, "stream": True}
+        | {k: v for k, v in body.items() if k != "prompt_logprobs"},
+        timeout=60,
+    ) as stream:
+        events = [
+            json.loads(line[6:])
+            for line in stream.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    assert events[0]["prompt_token_ids"] == prompt
+    streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
+    assert streamed == choice["token_ids"]
