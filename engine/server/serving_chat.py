@@ -63,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         messages = body.template_messages()
         new_reader = self._readers(body, setup)
         # Every message renders to at least one token, every token to at most so many chars.
-        extra = json.dumps(setup.tools or []) + json.dumps(body.documents or [])
+        extra = json.dumps([setup.tools, body.documents, [m.get("tool_calls") for m in messages]])
         self.check_length(sum(len(m["content"]) for m in messages) + len(extra), "messages")
         if len(messages) > self.max_model_len:
             raise APIError(

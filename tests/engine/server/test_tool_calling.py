@@ -17,6 +17,7 @@ import pytest
 from engine.server.app import create_app
 from engine.server.protocol_chat import ChatCompletionRequest
 from engine.server.tool_choice import (
+    AutoCalls,
     CallDelta,
     NamedCall,
     RequiredCalls,
@@ -211,6 +212,18 @@ def test_named_reader_is_the_whole_text_as_arguments():
     pieces = reader.feed("") + reader.feed('{"zone"') + reader.feed(': "UTC"}') + reader.finish()
     assert pieces[0] == CallDelta(0, "get_time", "")
     assert collect(pieces) == ("", [ToolCall("get_time", '{"zone": "UTC"}')])
+
+
+def test_auto_reader_keeps_one_call_unless_parallel():
+    text = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    )
+    for parallel, names in ((True, ["a", "b"]), (False, ["a"])):
+        reader = AutoCalls(PARSERS["hermes"](), parallel)
+        content, calls = collect(reader.feed(text) + reader.finish())
+        assert content == "" and [c.name for c in calls] == names
+        assert reader.num_calls == len(names)
 
 
 def test_forced_constraints_compile():
