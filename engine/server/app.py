@@ -81,8 +81,10 @@ def create_app(
             {"status": "ok" if ok else "engine loop stopped"}, status_code=200 if ok else 503
         )
 
-    # vLLM's SageMaker-compatible probe: the same answer as /health, to GET and POST.
-    app.add_api_route("/ping", health, methods=["GET", "POST"])
+    # vLLM's SageMaker-compatible probe: the same answer as /health, to GET and POST (one
+    # route each, so that each operation has its own id in /openapi.json).
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], name=f"ping_{method.lower()}")
 
     @app.get("/metrics")
     async def prometheus() -> Response:
