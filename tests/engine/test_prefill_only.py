@@ -302,3 +302,35 @@ def test_async_engine_embeds_and_admits_atomically(model_dir, hf):
         _check_embeddings(hf, PROMPTS[1:], finals, PoolingParams())
     finally:
         engine.shutdown()
+
+
+def test_a_failing_pooling_request_fails_alone(model_dir, hf, monkeypatch):
+    """Pooling that raises for one request (marked by dimensions=7) fails that request with
+    finish_reason "error"; the generation and the other embedding batched with it go on."""
+    from engine.pooling import PoolingState
+
+    add = PoolingState.add
+
+    def poisoned(self, first, rows):
+        if self.params.dimensions == 7:
+            raise RuntimeError("poisoned pooling")
+        return add(self, first, rows)
+
+    monkeypatch.setattr(PoolingState, "add", poisoned)
+    alone = [r.outputs[0].token_ids for r in _llm(model_dir).generate(PROMPTS[2:], GREEDY)]
+    llm = _llm(model_dir, max_num_batched_tokens=32)
+    engine = llm.engine
+    engine.add_request("gen", PROMPTS[2], GREEDY)
+    engine.add_request("bad", PROMPTS[3], SCORE, pooling=PoolingParams(dimensions=7))
+    engine.add_request("good", PROMPTS[3], SamplingParams(max_tokens=0), pooling=PoolingParams())
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["bad"].outputs[0].finish_reason == "error"
+    assert "poisoned pooling" in finals["bad"].error
+    assert finals["gen"].outputs[0].token_ids == alone[0]
+    _check_embeddings(hf, [PROMPTS[3]], [finals["good"]], PoolingParams())
+    assert engine.core.requests == {} and engine.core.kv.stats().num_used == 0
+    engine.core.kv.check_integrity()
