@@ -146,6 +146,10 @@ def serve(
             "(default: chosen from the chat template)."
         ),
     ] = None,
+    pooling_type: Annotated[
+        str,
+        typer.Option(help="/v1/embeddings: last (the last prompt token's state) or mean."),
+    ] = "last",
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     block_size: Annotated[int, typer.Option()] = 16,
@@ -232,6 +236,7 @@ def serve(
                 allow_credentials=allow_credentials,
             ),
             tool_call_parser=tool_call_parser,
+            pooling_type=pooling_type,
         )
 
 

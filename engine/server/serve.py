@@ -119,6 +119,7 @@ def serve(
     *,
     cors: CorsConfig | None = None,
     tool_call_parser: str | None = None,
+    pooling_type: str = "last",
 ) -> None:
     """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
@@ -152,6 +153,7 @@ def serve(
         limits,
         cors=cors,
         tool_call_parser=tool_call_parser,
+        pooling_type=pooling_type,
     )
     try:
         server_config = uvicorn.Config(

@@ -401,7 +401,9 @@ def test_serve_flags_reach_the_engine_config(monkeypatch):
     from nightshift.cli import app
 
     seen = {}
-    monkeypatch.setattr(engine.server.serve, "serve", lambda config, *a: seen.update(c=config))
+    monkeypatch.setattr(
+        engine.server.serve, "serve", lambda config, *a, **kw: seen.update(c=config)
+    )
     args = ["serve", "--speculative", "draft", "--draft-model", "/models/small"]
     args += ["--num-speculative-tokens", "6", "--prompt-lookup-min", "1"]
     result = CliRunner().invoke(app, args)
