@@ -163,7 +163,12 @@ class LLMEngine:
     def _advance(self, sample: _Sample, num_new: int, finished: bool) -> None:
         request = sample.request
         if sample.detokenizer is not None and num_new:
-            stop = sample.detokenizer.update(request.output_token_ids[-num_new:])
+            new_ids = request.output_token_ids[-num_new:]
+            if finished and _ended_by_stop_token(request):
+                # As in vLLM, the token that stopped the request (EOS, a stop_token_ids entry)
+                # stays in token_ids but not in the text, unless include_stop_str_in_output.
+                new_ids = new_ids[:-1]
+            stop = sample.detokenizer.update(new_ids)
             if stop is not None:
                 # Several tokens can arrive in one step (speculative decoding): those after the
                 # one that completed the stop string are not part of the output.
@@ -220,6 +225,19 @@ class LLMEngine:
             error=group.error,
             embedding=first.pooling.embedding if first.pooling is not None else None,
         )
+
+
+def _ended_by_stop_token(request: Request) -> bool:
+    """The request stopped on a stop token (one of stop_token_ids, or EOS), not on a stop string
+    or a completed grammar, whose last token belongs to the text."""
+    if request.status is not RequestStatus.FINISHED_STOPPED:
+        return False
+    if request.params.include_stop_str_in_output or not request.output_token_ids:
+        return False
+    last = request.output_token_ids[-1]
+    if isinstance(request.stop_reason, int) and request.stop_reason == last:
+        return True
+    return not request.params.ignore_eos and last in request.eos_token_ids
 
 
 def _truncate(request: Request, num_tokens: int) -> None:

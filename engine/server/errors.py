@@ -90,11 +90,16 @@ _UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none
 
 
 def field_path(loc: tuple) -> str:
-    """The request field a validation error is about, as OpenAI's param names it:
-    "temperature", "messages.0.content", "logit_bias.50256" (no "body", no union members)."""
+    """The request field a validation error is about, written as the server's own checks write
+    it: "temperature", "messages[0].content", "logit_bias.50256" (no "body", no union members)."""
     loc = loc[1:] if loc[:1] == ("body",) else loc
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_MEMBERS))]
-    return ".".join(parts)
+    path = ""
+    for p in loc:
+        if isinstance(p, int):
+            path += f"[{p}]"
+        elif not ("[" in p or p in _UNION_MEMBERS):
+            path += f".{p}" if path else p
+    return path
 
 
 def sse_error(e: BaseException) -> str:

@@ -209,7 +209,7 @@ class OpenAIServingChat(OpenAIServing):
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": body.model,
+            "model": self.served_model_name,
             "choices": choices,
             "usage": self.usage([final]),
         }
@@ -236,7 +236,7 @@ class OpenAIServingChat(OpenAIServing):
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": body.model,
+                "model": self.served_model_name,
                 "choices": choices,
                 **(extra or {}),
             }

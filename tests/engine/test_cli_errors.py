@@ -22,7 +22,7 @@ def model(tmp_path_factory):
             ["generate", "hi", "--model", "/nonexistent-nightshift-model"],
             ["/nonexistent-nightshift-model", "does not exist"],
         ),
-        (["generate", "hi", "--raw", "--max-tokens", "0", "--model", "{model}"], ["max_tokens"]),
+        (["generate", "hi", "--raw", "--max-tokens", "-1", "--model", "{model}"], ["max_tokens"]),
         (["generate", "hi", "--raw", "--top-p", "1e-50", "--model", "{model}"], ["top_p"]),
         (["generate", "hi", "--temperature", "nan", "--model", "/nonexistent-x"], ["temperature"]),
         (["serve", "--model", "{model}", "--max-num-seqs", "0"], ["max_num_seqs"]),

@@ -340,7 +340,7 @@ def test_refusals_through_the_official_client(server):
 def test_chat_validation_errors_name_the_nested_field(server):
     url, _ = server
     body = {"model": MODEL, "messages": [{"role": "user", "content": 5}]}
-    _refused(_post(url, body, "/v1/chat/completions"), "messages.0.content")
+    _refused(_post(url, body, "/v1/chat/completions"), "messages[0].content")
 
 
 def test_unknown_fields_are_accepted_and_logged(server, caplog):

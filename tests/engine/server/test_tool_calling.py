@@ -471,7 +471,7 @@ def _error(url: str, **body) -> tuple[int, dict]:
             },
             "tools[0].function.parameters",
         ),
-        ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
         (
             {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",
