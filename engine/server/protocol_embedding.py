@@ -1,21 +1,20 @@
 """The /v1/embeddings request body (OpenAI's, with vLLM's extra fields add_special_tokens and
-normalize); unknown fields are ignored. `input` is checked here, by hand, so that every refusal
-names `input` (a pydantic union would name one of its branches)."""
+normalize); unknown fields are accepted and named in the log. `input` is checked here, by hand,
+so that every refusal names `input` (a pydantic union would name one of its branches)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from engine.server.errors import APIError
+from engine.server.protocol import OpenAIBaseModel
 
 _SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class EmbeddingRequest(OpenAIBaseModel):
     model: str | None = None  # None: the served model
     # Any here, checked in inputs(): a wrong shape is refused naming `input`, not a union branch.
     input: Any = Field(description=f"The text(s) or token ids to embed: {_SHAPES}.")

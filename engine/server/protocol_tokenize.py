@@ -1,20 +1,19 @@
 """The /tokenize and /detokenize bodies, in vLLM's shapes: tokenize takes a prompt (text) or a
 conversation (messages, rendered as /v1/chat/completions renders it, with the chat template's
-fields); unknown fields are ignored."""
+fields); unknown fields are accepted and named in the log."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from engine.server.errors import APIError
+from engine.server.protocol import OpenAIBaseModel
 from engine.server.protocol_chat import ChatCompletionRequest, ChatMessage, ChatTool
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None  # None: the served model
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -63,9 +62,7 @@ class TokenizeRequest(BaseModel):
         )
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None  # None: the served model
     # Any here, checked in token_ids(): a refusal names `tokens`, not one of its items.
     tokens: Any = Field(description="The token ids to turn back into text.")
