@@ -88,7 +88,8 @@ class OpenAIServingChat(OpenAIServing):
             template_kwargs=body.template_kwargs(),
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.submit(rid, [(prompt_ids, None)], params)
+        prompts = self.truncate([(prompt_ids, None)], body.truncate_prompt_tokens)
+        streams = self.submit(rid, prompts, params, priority=body.priority)
 
         async def work():
             first = await first_output(streams[0])

@@ -61,7 +61,8 @@ class OpenAIServingCompletion(OpenAIServing):
         # Tokenizing runs on a worker thread: neither the event loop nor the engine waits.
         encoded = await asyncio.to_thread(lambda: [self.engine.encode_prompt(p) for p in prompts])
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = self.submit(rid, encoded, params)
+        encoded = self.truncate(encoded, body.truncate_prompt_tokens)
+        streams = self.submit(rid, encoded, params, priority=body.priority)
 
         async def work():
             firsts = [await first_output(s) for s in streams]

@@ -16,11 +16,10 @@ import uuid
 import numpy as np
 from fastapi import Request
 
-from engine.async_engine import RequestStream
 from engine.outputs import RequestOutput
 from engine.pooling import PoolingParams, PoolingType
 from engine.sampling_params import SamplingParams
-from engine.server.errors import APIError, as_api_error
+from engine.server.errors import APIError
 from engine.server.protocol_embedding import EmbeddingRequest
 from engine.server.serving_engine import OpenAIServing, first_output, last_output
 
@@ -53,10 +52,13 @@ class OpenAIServingEmbedding(OpenAIServing):
                 self.check_length(len(text), "input")
         # Tokenizing runs on a worker thread: neither the event loop nor the engine waits.
         encoded = await asyncio.to_thread(self._encode, inputs, body.add_special_tokens)
-        for ids in encoded:
+        prompts = self.truncate([(ids, None) for ids in encoded], body.truncate_prompt_tokens)
+        for ids, _ in prompts:
             self._check_tokens(ids)
         rid = f"embd-{uuid.uuid4().hex}"
-        streams = self._submit(rid, encoded, pooling)
+        streams = self.admit(
+            rid, prompts, _PREFILL_ONLY, priority=body.priority, pooling=pooling, param="input"
+        )
 
         async def work():
             firsts = [await first_output(s) for s in streams]
@@ -111,31 +113,6 @@ class OpenAIServingEmbedding(OpenAIServing):
                 param="input",
                 code="context_length_exceeded",
             )
-
-    def _submit(
-        self, rid: str, encoded: list[list[int]], pooling: PoolingParams
-    ) -> list[RequestStream]:
-        limit = self.max_waiting_requests
-        if limit is not None and len(encoded) > limit:
-            # Every input waits until the scheduler takes it: more than the limit would
-            # overflow the queue even when it is empty.
-            raise APIError(
-                400,
-                f"input: {len(encoded)} inputs, over this server's waiting limit of {limit} "
-                "(set by --max-waiting-requests), so it is never admitted",
-                param="input",
-                code="limit_exceeded",
-            )
-        prompts = [
-            (f"{rid}-{i}" if len(encoded) > 1 else rid, ids, None) for i, ids in enumerate(encoded)
-        ]
-        try:
-            return self.engine.submit_many(
-                prompts, _PREFILL_ONLY, max_waiting=limit, pooling=pooling
-            )
-        except Exception as e:
-            self.metrics.rejected.labels(as_api_error(e).code or "error").inc()
-            raise
 
     def _response(self, rid: str, body: EmbeddingRequest, finals: list[RequestOutput]) -> dict:
         data = [

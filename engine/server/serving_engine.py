@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.outputs import RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 from engine.server.disconnect import ClientDisconnected, until_disconnected
 from engine.server.errors import APIError, as_api_error, sse_error
@@ -112,23 +113,43 @@ class OpenAIServing:
             )
 
     def submit(
-        self, rid: str, prompts: list[tuple[list[int], str | None]], params: SamplingParams
+        self,
+        rid: str,
+        prompts: list[tuple[list[int], str | None]],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """Admit the prompts' samples at once, after the checks that need the tokens (context
         length) or the model (logit_bias ids in its vocabulary)."""
         self.check_logit_bias(params)
         for ids, _ in prompts:
             self.check_context(ids, params.max_tokens)
+        return self.admit(rid, prompts, params, priority=priority)
+
+    def admit(
+        self,
+        rid: str,
+        prompts: list[tuple[list[int], str | None]],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        pooling: PoolingParams | None = None,
+        param: str = "n",
+    ) -> list[RequestStream]:
+        """Hand the prompts to the engine together, or refuse them all (a full waiting queue is
+        a 429, counted in the rejected metric). param: the field a too-large request names."""
         samples = params.n * len(prompts)
         limit = self.max_waiting_requests
         if limit is not None and samples > limit:
             # Every admitted sample waits until the scheduler takes it: more than the limit
             # would overflow the queue even when it is empty.
+            what = f"{samples} inputs" if param == "input" else f"n x prompts = {samples} samples"
             raise APIError(
                 400,
-                f"n x prompts = {samples} samples, over this server's waiting limit of "
-                f"{limit} (set by --max-waiting-requests), so it is never admitted",
-                param="n",
+                f"{param}: {what}, over this server's waiting limit of {limit} (set by "
+                "--max-waiting-requests), so it is never admitted",
+                param=param,
                 code="limit_exceeded",
             )
         try:
@@ -138,11 +159,30 @@ class OpenAIServing:
                     for i, (ids, text) in enumerate(prompts)
                 ],
                 params,
+                priority,
                 max_waiting=limit,
+                pooling=pooling,
             )
         except Exception as e:
             self.metrics.rejected.labels(as_api_error(e).code or "error").inc()
             raise
+
+    def truncate(
+        self, prompts: list[tuple[list[int], str | None]], keep: int | None
+    ) -> list[tuple[list[int], str | None]]:
+        """vLLM's truncate_prompt_tokens: keep each prompt's last `keep` tokens (-1: as many as
+        the context holds). A cut prompt's text is dropped, so echo decodes what was kept."""
+        if keep is None:
+            return prompts
+        if keep == -1:
+            keep = self.info.max_request_tokens
+        if keep < 1:
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens must be -1 or an integer >= 1, got {keep}",
+                param="truncate_prompt_tokens",
+            )
+        return [(ids, text) if len(ids) <= keep else (ids[-keep:], None) for ids, text in prompts]
 
     async def respond(self, request: Request, work: Awaitable, streams: list[RequestStream]):
         """Await the response while the client is there; a client gone aborts the request.

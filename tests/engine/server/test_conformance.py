@@ -255,6 +255,22 @@ def _completion_token_ids(body: dict) -> None:
     assert choice["prompt_token_ids"] == _ids(PROMPT)
 
 
+def _prompt_tokens(k: int) -> Callable[[dict], None]:
+    def check(body: dict) -> None:
+        assert body["usage"]["prompt_tokens"] == k
+
+    return check
+
+
+def _truncated(k: int) -> Callable[[dict], None]:
+    def check(body: dict) -> None:
+        assert body["usage"]["prompt_tokens"] == k
+        # echo repeats what was kept: the prompt's last k tokens
+        assert body["choices"][0]["text"].startswith(_tokenizer().decode(_ids(TOO_LONG)[-k:]))
+
+    return check
+
+
 def _echo_logprobs(body: dict) -> None:
     choice, usage = body["choices"][0], body["usage"]
     lp = choice["logprobs"]
@@ -627,6 +643,21 @@ ROWS = [
         {"prompt": PROMPT, "max_tokens": 2},
         check=_served_model,
     ),
+    Row(
+        "completion truncate_prompt_tokens",
+        COMPLETIONS,
+        _cmpl(prompt=TOO_LONG, truncate_prompt_tokens=8, echo=True),
+        check=_truncated(8),
+    ),
+    Row(
+        "completion truncate_prompt_tokens 0",
+        COMPLETIONS,
+        _cmpl(truncate_prompt_tokens=0),
+        400,
+        "truncate_prompt_tokens",
+    ),
+    Row("completion priority", COMPLETIONS, _cmpl(priority=-5), check=_completion_tokens(4)),
+    Row("completion priority beyond int64", COMPLETIONS, _cmpl(priority=2**63), 400, "priority"),
     Row("completion suffix", COMPLETIONS, _cmpl(suffix="The end."), 400, "suffix"),
     Row(
         "completion max_tokens 0 without echo", COMPLETIONS, _cmpl(max_tokens=0), 400, "max_tokens"
@@ -662,6 +693,12 @@ ROWS = [
         "dimensions",
     ),
     Row("embeddings empty input", EMBEDDINGS, {"input": []}, 400, "input"),
+    Row(
+        "embeddings truncate_prompt_tokens",
+        EMBEDDINGS,
+        {"input": TOO_LONG, "truncate_prompt_tokens": 16},
+        check=lambda b: _embedding(64)(b) or _prompt_tokens(16)(b),
+    ),
     # -- tokenizer endpoints, models, probes, CORS, metrics
     Row(
         "tokenize prompt",
