@@ -192,6 +192,9 @@ class ServerMetrics:
         def vllm_counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, LABELS, registry=r).labels(*vllm)
 
+        def our_histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, LABELS[:1], buckets=buckets, registry=r).labels(*ours)
+
         info = engine.info
         Gauge(
             "vllm:cache_config_info",
@@ -228,13 +231,11 @@ class ServerMetrics:
             "Histogram of time to first token in seconds.",
             TTFT_BUCKETS,
         )
-        self.legacy_ttft = Histogram(
+        self.legacy_ttft = our_histogram(
             "nightshift:time_to_first_token_seconds",
             "Time to first token (deprecated: vllm:time_to_first_token_seconds).",
-            LABELS[:1],
-            buckets=_LEGACY_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(*ours)
+            _LEGACY_LATENCY_BUCKETS,
+        )
         self.itl = vllm_histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
@@ -247,13 +248,9 @@ class ServerMetrics:
             "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
             ITL_BUCKETS,
         )
-        self.step = Histogram(
-            "nightshift:step_seconds",
-            "Engine step wall time.",
-            LABELS[:1],
-            buckets=_STEP_BUCKETS,
-            registry=r,
-        ).labels(*ours)
+        self.step = our_histogram(
+            "nightshift:step_seconds", "Engine step wall time.", _STEP_BUCKETS
+        )
 
         # Finishes, counted by the server.
         success = Counter(
@@ -348,21 +345,17 @@ class ServerMetrics:
         self.request_n = vllm_histogram(
             "vllm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS
         )
-        self.legacy_e2e = Histogram(
+        self.legacy_e2e = our_histogram(
             "nightshift:e2e_request_latency_seconds",
             "Arrival to finish (deprecated: vllm:e2e_request_latency_seconds).",
-            LABELS[:1],
-            buckets=_LEGACY_LATENCY_BUCKETS,
-            registry=r,
-        ).labels(*ours)
-        self.legacy_tpot = Histogram(
+            _LEGACY_LATENCY_BUCKETS,
+        )
+        self.legacy_tpot = our_histogram(
             "nightshift:time_per_output_token_seconds",
             "Mean time per output token after the first, per request "
             "(deprecated: vllm:request_time_per_output_token_seconds).",
-            LABELS[:1],
-            buckets=_STEP_BUCKETS,
-            registry=r,
-        ).labels(*ours)
+            _STEP_BUCKETS,
+        )
 
         # Engine-thread state: request id -> progress; only that thread touches it.
         self._progress: dict[str, _Progress] = {}

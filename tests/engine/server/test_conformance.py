@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 
 from engine.model_fetch import fetch_default_model
 from tests.engine.server.live_server import live_server
-from tests.engine.server.tool_models import build_tool_model
+from tests.engine.server.tool_models import TOOLS, WEATHER, build_tool_model
 
 MODEL = "tiny"
 KEY = "conformance-key"
@@ -70,32 +70,6 @@ def _ids(text: str) -> list[int]:
     return _tokenizer().encode(text, add_special_tokens=False)
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather forecast of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, CLOCK]
 # What a Qwen-style model writes to call a tool, as a regex that steers the tiny model into it.
 HERMES_CALL = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\n</tool_call>'
 PROMPT = "Once upon a time"
@@ -198,12 +172,18 @@ def _legacy_call(body: dict) -> None:
 
 def _streamed_tool_call(chunks: list[dict]) -> None:
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    parts = [d["tool_calls"][0] for d in deltas if d.get("tool_calls")]
-    assert parts[0]["index"] == 0 and parts[0]["id"].startswith("call_")
-    assert parts[0]["function"]["name"] in ("get_weather", "get_time")
-    assert all("id" not in p and "name" not in p.get("function", {}) for p in parts[1:])
-    arguments = "".join(p["function"].get("arguments", "") for p in parts)
-    assert isinstance(json.loads(arguments), dict)
+    calls: dict[int, list[dict]] = {}
+    for d in deltas:
+        for part in d.get("tool_calls") or []:
+            calls.setdefault(part["index"], []).append(part)
+    assert sorted(calls) == list(range(len(calls))) and calls
+    for parts in calls.values():
+        # OpenAI's order: id, type and name first, then argument fragments alone.
+        assert parts[0]["id"].startswith("call_") and parts[0]["type"] == "function"
+        assert parts[0]["function"]["name"] in ("get_weather", "get_time")
+        assert all("id" not in p and "name" not in p.get("function", {}) for p in parts[1:])
+        arguments = "".join(p["function"].get("arguments", "") for p in parts)
+        assert isinstance(json.loads(arguments), dict)
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "tool_calls"
 

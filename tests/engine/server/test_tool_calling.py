@@ -28,38 +28,9 @@ from engine.server.tool_parsers import PARSERS, ToolCall, detect_parser
 from engine.structured.grammar import parse_spec
 from engine.tokenizer import render_chat
 from tests.engine.server.live_server import build_chat_model, live_server
-from tests.engine.server.tool_models import HERMES_TEMPLATE, build_tool_model
+from tests.engine.server.tool_models import CLOCK, HERMES_TEMPLATE, TOOLS, WEATHER, build_tool_model
 
 MODEL = "tiny"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather forecast of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"enum": ["Paris", "Oslo"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"enum": ["UTC", "CET"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS = [WEATHER, CLOCK]
 NAMES = {"get_weather", "get_time"}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # The text a Qwen-style model writes when it calls a tool, as a regex that steers the tiny one.

@@ -8,6 +8,37 @@ from pathlib import Path
 
 from tests.engine.server.live_server import build_chat_model
 
+# Two closed tools (no extra keys), so that a forced call from a random model ends in time.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, CLOCK]
+
 HERMES_TEMPLATE = """\
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
