@@ -10,12 +10,13 @@ does not log, so that the logs hold no user identifiers)."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.errors import InvalidRequestError, InvalidStructuredOutputError
 from engine.sampling_params import SamplingParams, generator_seed
+from engine.server.errors import APIError
 from engine.structured.grammar import parse_spec
 
 logger = logging.getLogger(__name__)
@@ -26,13 +27,17 @@ _INT64_MAX = 2**63 - 1
 
 class OpenAIBaseModel(BaseModel):
     """A request object that accepts unknown fields and names them in the log (vLLM's wording),
-    so that a misspelt or unsupported option is visible to whoever runs the server."""
+    so that a misspelt or unsupported option is visible to whoever runs the server. A request
+    body (is_body) is also checked for text that is not Unicode."""
 
     model_config = ConfigDict(extra="allow")
+    is_body: ClassVar[bool] = False
 
     @model_validator(mode="wrap")
     @classmethod
     def _log_unknown_fields(cls, data: Any, handler):
+        if cls.is_body:
+            check_unicode(data, "")
         result = handler(data)
         if isinstance(data, dict):
             known = set(cls.model_fields)
@@ -44,6 +49,30 @@ class OpenAIBaseModel(BaseModel):
                     set(unknown),
                 )
         return result
+
+
+def check_unicode(value: Any, path: str) -> None:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which Python keeps in a str but no
+    tokenizer, grammar or encoder can take: refused here, naming where it is, rather than
+    failing deep inside with a 500."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400,
+                f"{path or 'the request'}: the text has a lone surrogate "
+                f"(U+{ord(value[e.start]):04X} at character {e.start}), which is not a Unicode "
+                "character; send the text as valid UTF-8",
+                param=path or None,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)
+            check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_unicode(item, f"{path}[{i}]")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -127,10 +156,17 @@ class StructuredOutputs(OpenAIBaseModel):
                 + ", ".join(name for name, _ in specs),
                 "structured_outputs",
             )
-        return specs[0][1] if specs else None
+        if not specs:
+            raise InvalidStructuredOutputError(
+                "structured_outputs: give one kind of constraint (json, regex, choice or "
+                "json_object); none is specified",
+                "structured_outputs",
+            )
+        return specs[0][1]
 
 
 class SamplingRequest(OpenAIBaseModel):
+    is_body = True
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
     temperature: float = 1.0

@@ -52,7 +52,8 @@ _RESERVED_KWARGS = frozenset(
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    # OpenAI's roles (it refuses others; vLLM passes any to the template).
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None  # assistant: the calls it made

@@ -15,6 +15,7 @@ _SHAPES = "a string, a list of strings, a list of token ids or a list of lists o
 
 
 class EmbeddingRequest(OpenAIBaseModel):
+    is_body = True
     model: str | None = None  # None: the served model
     # Any here, checked in inputs(): a wrong shape is refused naming `input`, not a union branch.
     input: Any = Field(description=f"The text(s) or token ids to embed: {_SHAPES}.")

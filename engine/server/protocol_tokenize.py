@@ -14,6 +14,7 @@ from engine.server.protocol_chat import ChatCompletionRequest, ChatMessage, Chat
 
 
 class TokenizeRequest(OpenAIBaseModel):
+    is_body = True
     model: str | None = None  # None: the served model
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -63,6 +64,7 @@ class TokenizeRequest(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
+    is_body = True
     model: str | None = None  # None: the served model
     # Any here, checked in token_ids(): a refusal names `tokens`, not one of its items.
     tokens: Any = Field(description="The token ids to turn back into text.")

@@ -89,7 +89,10 @@ class OpenAIServingChat(OpenAIServing):
         )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         prompts = self.truncate([(prompt_ids, None)], body.truncate_prompt_tokens)
-        streams = self.submit(rid, prompts, params, priority=body.priority)
+        max_field = "max_completion_tokens" if body.max_completion_tokens is not None else None
+        streams = self.submit(
+            rid, prompts, params, priority=body.priority, max_field=max_field or "max_tokens"
+        )
 
         async def work():
             first = await first_output(streams[0])
@@ -115,20 +118,24 @@ class OpenAIServingChat(OpenAIServing):
             )
         if setup.tools is None:
             return PlainText
-        if "tools" not in template:
-            field = "chat_template" if body.chat_template else "tools"
-            raise APIError(
-                400,
-                "the chat template never renders tools, so the model would not see them; give "
-                "a chat_template that does, or leave tools out",
-                param=field,
-            )
+        # "none", "required" and a named function hold whatever the template shows: the
+        # grammar carries the tools' schemas itself (as in vLLM). Only "auto" needs the model
+        # to have seen the tools, since it decides alone whether to call one.
         if setup.named is not None:
             return lambda: NamedCall(setup.named)
         if setup.choice == "required":
             return RequiredCalls
         if setup.choice == "none":
             return PlainText
+        if "tools" not in template:
+            field = "chat_template" if body.chat_template else "tools"
+            raise APIError(
+                400,
+                'tool_choice "auto": the chat template never renders tools, so the model would '
+                'not know them; give a chat_template that does, or use tool_choice "required" '
+                "or a named function (enforced whatever the template)",
+                param=field,
+            )
         name = self.tool_call_parser or detect_parser(template)
         if name is None:
             raise APIError(

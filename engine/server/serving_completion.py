@@ -92,7 +92,8 @@ class OpenAIServingCompletion(OpenAIServing):
             "finish_reason": o.finish_reason,
             "stop_reason": o.stop_reason,
         }
-        if final.prompt_logprobs is not None:
+        # echo with logprobs computes them too; they are shown only when asked for.
+        if body.prompt_logprobs is not None and final.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs_json(final)
         return self._token_ids(choice, body, final, o.token_ids, with_prompt=True)
 

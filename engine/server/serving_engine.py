@@ -67,7 +67,9 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
-    def check_context(self, prompt_ids: list[int], max_tokens: int | None) -> None:
+    def check_context(
+        self, prompt_ids: list[int], max_tokens: int | None, max_field: str = "max_tokens"
+    ) -> None:
         """Prompt + completion within the context, refused in OpenAI's words (clients such as
         LiteLLM recognise "This model's maximum context length is" and the code, and raise their
         context-window error). The engine checks again, as the last line of defence."""
@@ -75,12 +77,13 @@ class OpenAIServing:
         field = self.prompt_field
         p = len(prompt_ids)
         if max_tokens is not None and max_tokens >= limit:
-            # Too large whatever the prompt: the completion's own field is at fault.
+            # Too large whatever the prompt: the field the caller sent is at fault (vLLM's words).
             raise APIError(
                 400,
-                f"max_tokens is too large: {max_tokens}. This model's maximum context length is "
-                f"{limit} tokens, and the {field} takes at least one.",
-                param="max_tokens",
+                f"'{max_field}' is too large: {max_tokens}. This model's maximum context length "
+                f"is {limit} tokens and your request has {p} input tokens ({max_tokens} > "
+                f"{limit} - {p}).",
+                param=max_field,
                 code="context_length_exceeded",
             )
         if max_tokens is None:
@@ -102,15 +105,20 @@ class OpenAIServing:
             code="context_length_exceeded",
         )
 
-    def check_logit_bias(self, params: SamplingParams) -> None:
+    def check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids the request names (logit_bias keys, stop_token_ids) exist in the model."""
         vocab = self.info.vocab_size
-        outside = sorted(t for t in params.logit_bias or () if t >= vocab)
-        if outside:
-            raise APIError(
-                400,
-                f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {vocab})",
-                param="logit_bias",
-            )
+        for field, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise APIError(
+                    400,
+                    f"{field}: token id {outside[0]} is outside the vocabulary [0, {vocab})",
+                    param=field,
+                )
 
     def submit(
         self,
@@ -119,12 +127,14 @@ class OpenAIServing:
         params: SamplingParams,
         *,
         priority: int = 0,
+        max_field: str = "max_tokens",
     ) -> list[RequestStream]:
         """Admit the prompts' samples at once, after the checks that need the tokens (context
-        length) or the model (logit_bias ids in its vocabulary)."""
-        self.check_logit_bias(params)
+        length) or the model (logit_bias and stop_token_ids in its vocabulary). max_field: the
+        request's name for max_tokens, which errors name."""
+        self.check_vocabulary(params)
         for ids, _ in prompts:
-            self.check_context(ids, params.max_tokens)
+            self.check_context(ids, params.max_tokens, max_field)
         return self.admit(rid, prompts, params, priority=priority)
 
     def admit(

@@ -482,12 +482,24 @@ def test_auto_needs_a_parser_when_the_template_shows_no_call_format(server):
     assert status == 200
 
 
-def test_tools_with_a_template_that_never_renders_them_are_refused(tmp_path):
-    """The default model's template has no tools: they would silently miss the prompt."""
+def test_a_template_without_tools_refuses_auto_only(tmp_path):
+    """The default model's template has no tools. "auto" is refused: the model would decide
+    without knowing them. "none" needs no tools, and "required" or a named function are
+    enforced by the grammar whatever the prompt shows (as in vLLM), so the default model
+    still answers LangChain's with_structured_output(method="function_calling")."""
     with live_server(build_chat_model(tmp_path), MODEL, max_model_len=256) as (url, _):
-        status, error = _error(url, tools=TOOLS, tool_choice="required")
+        status, error = _error(url, tools=TOOLS, tool_choice="auto")
         assert (status, error["param"]) == (400, "tools")
-        assert _error(url)[0] == 200
+        assert _error(url, tools=TOOLS, tool_choice="none")[0] == 200
+        named = {"type": "function", "function": {"name": "get_time"}}
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 40, "tools": TOOLS}
+        for choice in ("required", named):
+            r = httpx.post(
+                f"{url}/v1/chat/completions", json=body | {"tool_choice": choice}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+            assert calls and all(json.loads(c["function"]["arguments"]) for c in calls)
 
 
 def test_tool_call_parser_flag_picks_the_parser(tmp_path):
