@@ -1,6 +1,7 @@
 """langchain-openai's ChatOpenAI against a live server (a tiny model whose template renders
 tools): plain invoke and .stream, bind_tools with tool_choice "required" and a named tool, and
-with_structured_output(method="function_calling") returning a parsed object. strict=True makes
+with_structured_output (function_calling and json_schema) returning parsed objects, streamed tool
+calls assembled by LangChain. strict=True makes
 LangChain send closed schemas (additionalProperties false), which a random model needs to finish
 its arguments instead of inventing keys until max_tokens."""
 
@@ -79,3 +80,20 @@ def test_structured_output_by_function_calling(chat):
     forecast = structured.invoke("Weather in Oslo for three days?")
     assert isinstance(forecast, Weather)
     assert forecast.city in ("Paris", "Oslo") and 1 <= forecast.days <= 7
+
+
+def test_structured_output_by_json_schema(chat):
+    """LangChain's default method: response_format json_schema, parsed by LangChain."""
+    structured = chat.with_structured_output(Weather, method="json_schema", strict=True)
+    forecast = structured.invoke("Weather in Paris for two days?")
+    assert isinstance(forecast, Weather) and 1 <= forecast.days <= 7
+
+
+def test_streamed_tool_calls_assemble(chat):
+    """Streamed delta.tool_calls chunks add up, in LangChain, to the same kind of call."""
+    bound = chat.bind_tools([Clock], tool_choice="Clock", strict=True)
+    merged = None
+    for chunk in bound.stream("What time is it in Berlin?"):
+        merged = chunk if merged is None else merged + chunk
+    (call,) = merged.tool_calls
+    assert call["name"] == "Clock" and call["args"]["zone"] in ("UTC", "CET")
