@@ -5,6 +5,7 @@ the prompt's KV blocks through the prefix cache)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -93,6 +94,8 @@ class LLMEngine:
         sample_params = (
             [params] if params.n == 1 else [params.clone_for_sample(i) for i in range(params.n)]
         )
+        # One arrival for the caller's request: every sample's latencies count from it.
+        arrival_time = time.time() if arrival_time is None else arrival_time
         try:
             for i, sp in enumerate(sample_params):
                 sample_id = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -196,6 +199,7 @@ class LLMEngine:
                 else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.request.stop_reason,
+                metrics=_sample_metrics(s),
             )
             for i, s in enumerate(group.samples)
         ]
@@ -225,6 +229,19 @@ class LLMEngine:
             error=group.error,
             embedding=first.pooling.embedding if first.pooling is not None else None,
         )
+
+
+def _sample_metrics(sample: _Sample) -> RequestMetrics:
+    r = sample.request
+    return RequestMetrics(
+        arrival_time=r.arrival_time,
+        first_scheduled_time=r.first_scheduled_time,
+        first_token_time=r.first_token_time,
+        finish_time=r.finish_time if sample.finish_reason is not None else None,
+        num_cached_tokens=max(r.num_cached_tokens, 0),
+        num_draft_tokens=r.num_draft_tokens,
+        num_accepted_tokens=r.num_accepted_tokens,
+    )
 
 
 def _ended_by_stop_token(request: Request) -> bool:

@@ -30,6 +30,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # This sample's own times and counts: each sample is its own engine request (as each of
+    # vLLM's n child requests is), so it has its own schedule, first token and finish.
+    # RequestOutput.metrics is the group's (earliest first token, latest finish).
+    metrics: RequestMetrics | None = None
 
 
 @dataclass(slots=True)

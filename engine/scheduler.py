@@ -162,8 +162,9 @@ class Scheduler:
         """Advance computed counts, append the new tokens (one, or the accepted drafts and one
         more) up to a stop, finish requests; returns the finished. Requests in `resample` got
         no token this step (another request's sampling failed with theirs): their last position
-        is computed again next step, which samples it. A prefill-only request finishes
-        ("length": it may generate no token) once its prompt is computed."""
+        is computed again next step, which samples it. A prefill-only request finishes once
+        its prompt is computed: a pooling request as "stop" (it is complete, as in vLLM), a
+        max_tokens=0 one as "length" (it reached its token limit; OpenAI's answer to it)."""
         finished = []
         for s in out.scheduled:
             request = s.request
@@ -171,7 +172,9 @@ class Scheduler:
             if request.prefill_only:
                 if request.num_computed_tokens >= request.num_prompt_tokens:
                     if not request.status.finished:
-                        self.finish(request, RequestStatus.FINISHED_LENGTH)
+                        pooled = request.pooling is not None
+                        stop, length = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+                        self.finish(request, stop if pooled else length)
                         finished.append(request)
                 continue
             if request.request_id in resample and not request.status.finished:

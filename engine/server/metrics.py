@@ -9,7 +9,11 @@ Three observation points, each where the quantity is known exactly:
 - the engine thread, after every step (AsyncEngine.step_observers): tokens as they are made,
   time to first token, inter-token latency, tokens per step;
 - the server, as a request ends (observe_finished, count_failure, aborted/rejected): finish
-  reasons and the per-request histograms."""
+  reasons and the per-request histograms.
+
+The unit of the per-request metrics is vLLM's: a sample. An n > 1 request counts as n requests
+(vLLM's n child requests), each with its own times and token counts; only vllm:request_params_n
+and vllm:request_max_num_generation_tokens are observed once per caller request."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.async_engine import AsyncEngine, EngineStats
 from engine.errors import EngineShutdownError, RequestFailedError
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.spec.stats import SpecDecodeStats
 
 # vLLM's boundaries (vllm/v1/metrics/loggers.py).
@@ -167,11 +171,11 @@ class _ModelCounter:
 
 @dataclass(slots=True)
 class _Progress:
-    """What the engine thread last saw of one request: tokens per sample, and when each
-    sample's last tokens arrived."""
+    """What the engine thread last saw of one sample: its tokens, when the last of them came,
+    and whether its prompt is done."""
 
-    tokens: list[int]
-    last: list[float]
+    tokens: int = 0
+    last: float = 0.0
     prefilled: bool = False
 
 
@@ -357,8 +361,8 @@ class ServerMetrics:
             _STEP_BUCKETS,
         )
 
-        # Engine-thread state: request id -> progress; only that thread touches it.
-        self._progress: dict[str, _Progress] = {}
+        # Engine-thread state: request id -> each sample's progress; only that thread touches it.
+        self._progress: dict[str, list[_Progress]] = {}
         engine.step_observers.append(self.observe_step)
 
     # ----- the engine thread ----------------------------------------------------------------
@@ -371,43 +375,40 @@ class ServerMetrics:
         now = time.time()  # the clock of RequestMetrics
         step_tokens = 0
         for out in outputs:
-            p = self._progress.pop(out.request_id, None)
-            if p is None:
-                p = _Progress([0] * len(out.outputs), [0.0] * len(out.outputs))
-            step_tokens += self._advance(p, out, now)
+            progress = self._progress.pop(out.request_id, None)
+            if progress is None:
+                progress = [_Progress() for _ in out.outputs]
+            step_tokens += sum(self._advance(p, o, out, now) for p, o in zip(progress, out.outputs))
             if not out.finished:
-                self._progress[out.request_id] = p
+                self._progress[out.request_id] = progress
         self.iteration_tokens.observe(step_tokens)
         self._forget_aborted()
 
-    def _advance(self, p: _Progress, out: RequestOutput, now: float) -> int:
-        """Counts one request's new tokens; returns the tokens this step computed for it as
-        vLLM attributes them (the whole prompt in the step of its first token)."""
-        generated = 0
-        for i, o in enumerate(out.outputs):
-            new = len(o.token_ids) - p.tokens[i]
-            if new <= 0:
-                continue
+    def _advance(self, p: _Progress, o: CompletionOutput, out: RequestOutput, now: float) -> int:
+        """Counts one sample's new tokens; returns the tokens this step computed for it as vLLM
+        attributes them (the whole prompt in the step of its first token: each sample is its
+        own engine request, so each prefills the prompt, as each of vLLM's n children does)."""
+        new = len(o.token_ids) - p.tokens
+        if new > 0:
             # vLLM's convention: one interval per output after the first, however many tokens
             # it brought (several with speculative decoding).
-            if p.tokens[i]:
-                self.itl.observe(now - p.last[i])
-                self.legacy_itl.observe(now - p.last[i])
-            p.tokens[i], p.last[i] = len(o.token_ids), now
-            generated += new
-        if generated:
-            self.generation_tokens.inc(generated)
-        prompt = 0
-        # The prompt is done when its first token comes (or when a prefill-only request ends).
-        if not p.prefilled and (generated or (out.finished and out.error is None)):
-            p.prefilled = True
-            prompt = len(out.prompt_token_ids)
-            self.prompt_tokens.inc(prompt)
-            m = out.metrics
-            if m.first_token_time is not None:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
-                self.legacy_ttft.observe(m.first_token_time - m.arrival_time)
-        return prompt + generated
+            if p.tokens:
+                self.itl.observe(now - p.last)
+                self.legacy_itl.observe(now - p.last)
+            p.tokens, p.last = len(o.token_ids), now
+            self.generation_tokens.inc(new)
+        new = max(new, 0)
+        # The prompt is done when the first token comes (or when a prefill-only request ends).
+        if p.prefilled or not (new or (o.finish_reason is not None and out.error is None)):
+            return new
+        p.prefilled = True
+        prompt = len(out.prompt_token_ids)
+        self.prompt_tokens.inc(prompt)
+        m = o.metrics or out.metrics
+        if m.first_token_time is not None:  # none for a prefill-only request: nothing sampled
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            self.legacy_ttft.observe(m.first_token_time - m.arrival_time)
+        return prompt + new
 
     def _forget_aborted(self) -> None:
         """Aborted requests send no last output: drop them once more are tracked than run."""
@@ -416,44 +417,49 @@ class ServerMetrics:
                 del self._progress[rid]
 
     # ----- the server -----------------------------------------------------------------------
+    # The unit is vLLM's: a sample. An n > 1 request is n engine requests, as vLLM's n child
+    # requests are, so each finishes, fails or is aborted as one request (`samples` of them).
 
-    def count_failure(self, e: BaseException) -> None:
-        """A request that ended with an error after admission."""
+    def count_failure(self, e: BaseException, samples: int = 1) -> None:
+        """A request that ended with an error after admission: its samples all end."""
         if isinstance(e, EngineShutdownError):
-            self.aborted.labels("shutdown").inc()
+            self.aborted.labels("shutdown").inc(samples)
         elif isinstance(e, RequestFailedError):
-            self.failed.inc()
-            self.success["error"].inc()
-            self.legacy_success.labels(self.model_name, "error").inc()
+            self.failed.inc(samples)
+            self.success["error"].inc(samples)
+            self.legacy_success.labels(self.model_name, "error").inc(samples)
 
     def observe_finished(self, final: RequestOutput) -> None:
-        """A request's last output, as the server sends it (finish reasons per sample, as vLLM
-        counts its n child requests; the histograms per request)."""
+        """A request's last output, as the server sends it: each sample observed as a request
+        with its own times and token counts (vLLM's child requests); the n parameter and the
+        longest sample once per caller request (vLLM's parent request)."""
         for o in final.outputs:
-            reason = o.finish_reason if o.finish_reason in self.success else "abort"
-            self.success[reason].inc()
-            self.legacy_success.labels(self.model_name, reason).inc()
+            self._observe_sample(final, o)
         generated = [len(o.token_ids) for o in final.outputs]
-        self.request_prompt_tokens.observe(len(final.prompt_token_ids))
-        self.request_generation_tokens.observe(sum(generated))
         self.request_max_generation_tokens.observe(max(generated, default=0))
         self.request_n.observe(len(final.outputs))
-        m = final.metrics
+
+    def _observe_sample(self, final: RequestOutput, o: CompletionOutput) -> None:
+        reason = o.finish_reason if o.finish_reason in self.success else "abort"
+        self.success[reason].inc()
+        self.legacy_success.labels(self.model_name, reason).inc()
+        generated = len(o.token_ids)
+        self.request_prompt_tokens.observe(len(final.prompt_token_ids))
+        self.request_generation_tokens.observe(generated)  # 0 for a pooling request, as vLLM's
+        m = o.metrics or final.metrics
         if m.finish_time is not None:
             self.e2e.observe(m.finish_time - m.arrival_time)
             self.legacy_e2e.observe(m.finish_time - m.arrival_time)
         if m.first_scheduled_time is not None:
             self.queue.observe(m.first_scheduled_time - m.arrival_time)
-            if m.finish_time is not None:
-                self.inference.observe(m.finish_time - m.first_scheduled_time)
-        if m.first_token_time is None or m.finish_time is None:
+        # As vLLM's: a request that made no token (prefill-only: embeddings, scoring) has a
+        # queue time but no prefill, decode or inference phase and no time per output token.
+        if m.first_token_time is None or m.finish_time is None or m.first_scheduled_time is None:
             return
-        if m.first_scheduled_time is not None:
-            self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        self.prefill.observe(m.first_token_time - m.first_scheduled_time)
+        self.inference.observe(m.finish_time - m.first_scheduled_time)
         decode = m.finish_time - m.first_token_time
         self.decode.observe(decode)
-        # Mean per sample: the first token of each is prefill's, not decode's.
-        per_sample = sum(generated) / max(len(generated), 1)
-        self.tpot.observe(decode / (per_sample - 1) if per_sample > 1 else 0.0)
-        if per_sample > 1:
-            self.legacy_tpot.observe(decode / (per_sample - 1))
+        if generated > 1:  # the first token is prefill's, not decode's (vLLM: none with one)
+            self.tpot.observe(decode / (generated - 1))
+            self.legacy_tpot.observe(decode / (generated - 1))

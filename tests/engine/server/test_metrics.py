@@ -138,6 +138,98 @@ def test_counts_agree_with_the_responses(server):
     assert phases == pytest.approx(_delta(before, after, "vllm:e2e_request_latency_seconds_sum"))
 
 
+# Every histogram vLLM observes once per (child) request as it finishes.
+PER_SAMPLE = (
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+)
+
+
+def test_each_of_n_samples_counts_as_a_request(server):
+    """vLLM's unit: an n=3 request is 3 child requests, each observed with its own times and
+    token counts; the n parameter (and the longest sample) once per caller request."""
+    url, _ = server
+    before = _samples(url)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "n": 3,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "seed": 1,
+    }
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 3
+    after = _samples(url)
+
+    success = _delta(before, after, "vllm:request_success_total")
+    assert success == _delta(before, after, "vllm:request_success_total", finished_reason="length")
+    assert success == 3
+    for name in PER_SAMPLE:
+        assert _delta(before, after, f"{name}_count") == success, name
+    assert _delta(before, after, "vllm:request_params_n_count") == 1
+    assert _delta(before, after, "vllm:request_params_n_sum") == 3
+    assert _delta(before, after, "vllm:request_max_num_generation_tokens_sum") == 3
+    # Token counts per sample: each sample prefills the prompt and makes its own tokens.
+    prompt, generated = usage["prompt_tokens"], usage["completion_tokens"]
+    assert generated == 9
+    assert _delta(before, after, "vllm:request_prompt_tokens_sum") == 3 * prompt
+    assert _delta(before, after, "vllm:prompt_tokens_total") == 3 * prompt
+    assert _delta(before, after, "vllm:request_generation_tokens_sum") == generated
+    assert _delta(before, after, "vllm:generation_tokens_total") == generated
+    assert _delta(before, after, "vllm:inter_token_latency_seconds_count") == generated - 3
+    assert _delta(before, after, "vllm:iteration_tokens_total_sum") == 3 * prompt + generated
+    # Each sample's own phases add up to its own end-to-end latency.
+    phases = sum(
+        _delta(before, after, f"vllm:request_{p}_time_seconds_sum")
+        for p in ("queue", "prefill", "decode")
+    )
+    assert phases == pytest.approx(_delta(before, after, "vllm:e2e_request_latency_seconds_sum"))
+
+
+def test_an_embedding_finishes_as_stop_with_no_generation_phase(server):
+    """vLLM finishes a pooling request FINISHED_STOPPED; it made no token, so it has a queue
+    time and an end-to-end latency but no first token, prefill, decode or time per token; its
+    generation-token histogram gets a 0, as vLLM's."""
+    url, _ = server
+    before = _samples(url)
+    r = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": PROMPT}, timeout=60)
+    assert r.status_code == 200, r.text
+    after = _samples(url)
+    success = "vllm:request_success_total"
+    assert _delta(before, after, success, finished_reason="stop") == 1
+    assert _delta(before, after, success) == 1
+    for name in (
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:request_prompt_tokens",
+        "vllm:request_generation_tokens",
+        "vllm:request_params_n",
+    ):
+        assert _delta(before, after, f"{name}_count") == 1, name
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:request_prefill_time_seconds",
+        "vllm:request_decode_time_seconds",
+        "vllm:request_inference_time_seconds",
+        "vllm:request_time_per_output_token_seconds",
+    ):
+        assert _delta(before, after, f"{name}_count") == 0, name
+    assert _delta(before, after, "vllm:request_generation_tokens_sum") == 0
+    assert _delta(before, after, "vllm:generation_tokens_total") == 0
+    assert _delta(before, after, "vllm:request_prompt_tokens_sum") == len(PROMPT)
+    assert _delta(before, after, "vllm:prompt_tokens_total") == len(PROMPT)
+
+
 def test_gauges_return_to_zero_and_every_series_names_the_model(server):
     url, _ = server
     _completion(url, max_tokens=4, ignore_eos=True)
