@@ -115,8 +115,11 @@ class RequestStream:
     has finished=True). Invalid input raises its ValueError at the first iteration, an engine
     failure RequestFailedError. Leaving early (aclose, a cancelled task) aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, stream: _Stream, num_samples: int = 1
+    ) -> None:
         self._engine, self.request_id, self._stream = engine, request_id, stream
+        self.num_samples = num_samples  # params.n: the engine requests it stands for
         self._done = False
 
     def __aiter__(self) -> RequestStream:
@@ -252,7 +255,7 @@ class AsyncEngine:
         for request_id, prompt, text in prompts:
             stream = _Stream(loop, asyncio.Queue())
             self._inbox.put(_Add(request_id, prompt, params, priority, stream, text, pooling))
-            streams.append(RequestStream(self, request_id, stream))
+            streams.append(RequestStream(self, request_id, stream, params.n))
         return streams
 
     async def generate(

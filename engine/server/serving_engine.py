@@ -202,10 +202,10 @@ class OpenAIServing:
             result = await until_disconnected(request, work)
             return result
         except ClientDisconnected:
-            self.metrics.aborted.labels("client_disconnect").inc()
+            self.metrics.aborted.labels("client_disconnect").inc(_samples(streams))
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except Exception as e:
-            self.metrics.count_failure(e)
+            self.metrics.count_failure(e, _samples(streams))
             raise
         finally:
             if not isinstance(result, StreamingResponse):
@@ -230,13 +230,13 @@ class OpenAIServing:
                 yield event
             ended = True
         except Exception as e:  # noqa: BLE001 - reported to the client, in OpenAI's shape
-            self.metrics.count_failure(e)
+            self.metrics.count_failure(e, _samples(streams))
             ended = True
             yield sse_error(e)
             yield DONE
         finally:
             if not ended:
-                self.metrics.aborted.labels("client_disconnect").inc()
+                self.metrics.aborted.labels("client_disconnect").inc(_samples(streams))
             for s in streams:
                 await s.aclose()
 
@@ -336,3 +336,8 @@ def max_token_chars(tokenizer) -> int:
     if tokenizer is None:
         return 64
     return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=1)
+
+
+def _samples(streams: list[RequestStream]) -> int:
+    """The engine requests a call's streams stand for: the unit of the request metrics."""
+    return sum(s.num_samples for s in streams)

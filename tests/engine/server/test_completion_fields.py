@@ -182,7 +182,7 @@ def _check_offsets(logprobs: dict, text: str) -> None:
 def test_echo_with_logprobs_covers_prompt_then_completion(server):
     url, engine = server
     prompt_ids = engine.encode_prompt(PROMPT)[0]
-    body = _complete(url, echo=True, logprobs=1, return_token_ids=True)
+    body = _complete(url, echo=True, logprobs=1, return_token_ids=True, prompt_logprobs=1)
     choice = body["choices"][0]
     lp = choice["logprobs"]
     p = len(prompt_ids)

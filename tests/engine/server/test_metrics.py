@@ -288,3 +288,31 @@ def test_buckets_are_vllms():
     assert build_1_2_5_buckets(256)[-1] == 200
     assert (TTFT_BUCKETS[0], TTFT_BUCKETS[-1], len(TTFT_BUCKETS)) == (0.001, 2560.0, 22)
     assert (ITL_BUCKETS[0], ITL_BUCKETS[-1], len(ITL_BUCKETS)) == (0.01, 80.0, 19)
+
+
+def test_an_aborted_n_request_is_n_aborts(server):
+    """The unit of an abort is the unit of a finish: a sample. A client that leaves an n=2
+    stream aborts 2 engine requests."""
+    url, engine = server
+    before = _samples(url)
+
+    def slow(_elapsed, _outputs):
+        time.sleep(0.02)  # 200 tokens take at least 4 s: the client leaves long before
+
+    engine.step_observers.append(slow)
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass  # the first chunk: the request is running
+        deadline = time.monotonic() + 10
+        while engine.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.num_unfinished == 0
+    finally:
+        engine.step_observers.remove(slow)
+    after = _samples(url)
+    assert _delta(before, after, "vllm:request_success_total", finished_reason="abort") == 2
+    aborted = "nightshift:request_aborted_total"
+    assert _delta(before, after, aborted, reason="client_disconnect") == 2
