@@ -150,6 +150,13 @@ def serve(
         str,
         typer.Option(help="/v1/embeddings: last (the last prompt token's state) or mean."),
     ] = "last",
+    trust_request_chat_template: Annotated[
+        bool,
+        typer.Option(
+            "--trust-request-chat-template",
+            help="Run chat templates sent in requests (a hostile one can tie up the server).",
+        ),
+    ] = False,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     block_size: Annotated[int, typer.Option()] = 16,
@@ -237,6 +244,7 @@ def serve(
             ),
             tool_call_parser=tool_call_parser,
             pooling_type=pooling_type,
+            trust_request_chat_template=trust_request_chat_template,
         )
 
 

@@ -47,11 +47,12 @@ def create_app(
     cors: CorsConfig | None = None,
     tool_call_parser: str | None = None,
     pooling_type: str = "last",
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """tool_call_parser: how "auto" tool choice finds calls in the model's text (hermes,
     llama3_json, mistral); None picks one from the chat template. pooling_type: how
     /v1/embeddings pools the final hidden states, "last" (vLLM's default for decoder models)
-    or "mean"."""
+    or "mean". trust_request_chat_template: run a request's own chat_template (off: a 400)."""
     limits = limits or RequestLimits()
 
     @asynccontextmanager
@@ -68,10 +69,11 @@ def create_app(
     add_cors(app, cors or CorsConfig())  # outermost: preflights never carry the key
     metrics = ServerMetrics(engine, served_model_name)
     serving = (engine, served_model_name, metrics, limits, max_waiting_requests)
-    chat = OpenAIServingChat(*serving, tool_call_parser=tool_call_parser)
+    trust = {"trust_request_chat_template": trust_request_chat_template}
+    chat = OpenAIServingChat(*serving, tool_call_parser=tool_call_parser, **trust)
     completion = OpenAIServingCompletion(*serving)
     embedding = OpenAIServingEmbedding(*serving, pooling_type=pooling_type)
-    tokenization = OpenAIServingTokenization(*serving)
+    tokenization = OpenAIServingTokenization(*serving, **trust)
     model_cards = OpenAIServingModels(engine.info, served_model_name)
 
     @app.get("/health")

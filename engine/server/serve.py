@@ -120,6 +120,7 @@ def serve(
     cors: CorsConfig | None = None,
     tool_call_parser: str | None = None,
     pooling_type: str = "last",
+    trust_request_chat_template: bool = False,
 ) -> None:
     """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
@@ -154,6 +155,7 @@ def serve(
         cors=cors,
         tool_call_parser=tool_call_parser,
         pooling_type=pooling_type,
+        trust_request_chat_template=trust_request_chat_template,
     )
     try:
         server_config = uvicorn.Config(

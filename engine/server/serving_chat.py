@@ -50,14 +50,15 @@ Reader = PlainText | NamedCall | RequiredCalls | AutoCalls
 class OpenAIServingChat(OpenAIServing):
     prompt_field = "messages"
 
-    def __init__(self, *args, tool_call_parser: str | None = None) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, tool_call_parser: str | None = None, **options) -> None:
+        super().__init__(*args, **options)
         if tool_call_parser is not None:
             parser_class(tool_call_parser)  # an unknown name fails at start, not per request
         self.tool_call_parser = tool_call_parser
 
     async def create(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
+        self.check_request_template(body.chat_template)
         check_sampling(body, self.limits)
         setup = body.tool_setup()
         messages = body.template_messages()

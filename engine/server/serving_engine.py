@@ -33,8 +33,11 @@ class OpenAIServing:
         metrics: ServerMetrics,
         limits: RequestLimits,
         max_waiting_requests: int | None,
+        *,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.info = engine.info
         self.tokenizer = engine.info.tokenizer
         self.served_model_name = served_model_name
@@ -44,6 +47,20 @@ class OpenAIServing:
         self.max_model_len = engine.info.max_model_len
         # No prompt longer than this can fit, whatever it says: no token covers more characters.
         self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
+
+    def check_request_template(self, template: str | None) -> None:
+        """A request's own chat_template runs only on a server told to trust its callers (vLLM's
+        --trust-request-chat-template): Jinja's sandbox bounds each loop, not nested ones, so one
+        template can spin a worker thread for hours, slowing every request and holding up
+        shutdown, and no thread can be stopped from outside."""
+        if template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template: this server does not run chat templates sent with requests "
+                "(start it with --trust-request-chat-template to allow them); leave the field out "
+                "to use the model's own template",
+                param="chat_template",
+            )
 
     def check_model(self, name: str | None) -> None:
         """The requested model; None (the field left out) means the served one, as in vLLM."""

@@ -32,6 +32,7 @@ class OpenAIServingTokenization(OpenAIServing):
         }
 
     def _render(self, body: TokenizeRequest) -> list[int]:
+        self.check_request_template(body.chat_template)
         chat = body.as_chat()
         return self.engine.encode_chat(
             chat.template_messages(),

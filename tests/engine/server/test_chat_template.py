@@ -24,9 +24,9 @@ LISTING = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with live_server(
-        build_tool_model(tmp_path_factory.mktemp("tpl")), MODEL, max_model_len=512
-    ) as s:
+    folder = build_tool_model(tmp_path_factory.mktemp("tpl"))
+    trusted = {"trust_request_chat_template": True}
+    with live_server(folder, MODEL, max_model_len=512, app_options=trusted) as s:
         yield s
 
 
@@ -197,3 +197,26 @@ def test_return_token_ids_and_prompt_logprobs(server):
     assert events[0]["prompt_token_ids"] == prompt
     streamed = [t for e in events for c in e["choices"] for t in c.get("token_ids", [])]
     assert streamed == choice["token_ids"]
+
+
+def test_a_request_template_needs_a_trusting_server(tmp_path):
+    """By default a request's chat_template is refused (Jinja's sandbox bounds each loop, not
+    nested ones: one template could spin a worker for hours); the model's own template and
+    chat_template_kwargs still work."""
+    spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with live_server(build_tool_model(tmp_path), MODEL, max_model_len=512) as (url, _):
+        for path, body in (
+            ("/v1/chat/completions", {"messages": ASK, "max_tokens": 2, "chat_template": spin}),
+            ("/tokenize", {"messages": ASK, "chat_template": spin}),
+        ):
+            r = httpx.post(f"{url}{path}", json=body, timeout=30)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "chat_template"
+            assert "--trust-request-chat-template" in error["message"]
+        ok = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": ASK, "max_tokens": 2, "chat_template_kwargs": {"x": 1}},
+            timeout=30,
+        )
+        assert ok.status_code == 200, ok.text

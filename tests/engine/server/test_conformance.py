@@ -770,7 +770,12 @@ ROWS = [
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model_dir = build_tool_model(tmp_path_factory.mktemp("conformance"))
-    with live_server(model_dir, MODEL, api_key=KEY, max_model_len=512) as (url, _):
+    # Rows send their own chat_template: a server that trusts its callers with that.
+    trusted = {"trust_request_chat_template": True}
+    with live_server(model_dir, MODEL, api_key=KEY, max_model_len=512, app_options=trusted) as (
+        url,
+        _,
+    ):
         yield url
 
 

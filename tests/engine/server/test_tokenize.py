@@ -29,7 +29,10 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     started = int(time.time())
-    with live_server(model_dir, MODEL, api_key=KEY, max_model_len=MAX_MODEL_LEN) as (url, engine):
+    trusted = {"trust_request_chat_template": True}
+    with live_server(
+        model_dir, MODEL, api_key=KEY, max_model_len=MAX_MODEL_LEN, app_options=trusted
+    ) as (url, engine):
         yield url, engine, started
 
 

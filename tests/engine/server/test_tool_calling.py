@@ -245,7 +245,8 @@ def test_tool_calls_and_results_render_back_through_the_template(tmp_path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = build_tool_model(tmp_path_factory.mktemp("tools"))
-    with live_server(folder, MODEL, max_model_len=1024) as running:
+    trusted = {"trust_request_chat_template": True}
+    with live_server(folder, MODEL, max_model_len=1024, app_options=trusted) as running:
         yield running
 
 
