@@ -3,7 +3,7 @@
 A constraint is `{"json": schema}`, `{"regex": pattern}` or `{"choice": [strings]}`. `parse_spec`
 checks its shape and turns it into a `GrammarSpec` whose text is canonical (a schema as compact
 JSON; keys keep their order, because the order of `properties` is the order the output is written
-in). llguidance
+in; objects that list their properties are closed to them, see closed_objects). llguidance
 turns the spec into grammar text and validates it without a tokenizer, so a bad schema or regex is
 rejected when `SamplingParams` is built, before the request reaches the engine.
 
@@ -82,9 +82,40 @@ def _schema_text(schema: object) -> str:
             f"json schema must be a JSON object, got {_short(schema)}"
         )
     try:
-        return json.dumps(schema, separators=(",", ":"))
-    except (TypeError, ValueError) as e:
+        return json.dumps(closed_objects(schema), separators=(",", ":"))
+    except (TypeError, ValueError, RecursionError) as e:
         raise InvalidStructuredOutputError(f"json schema is not serializable: {e}") from e
+
+
+# Where a schema holds subschemas: one, a list of them, or a name -> subschema map.
+_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_LIST = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def closed_objects(schema: object) -> object:
+    """The schema with every object that lists its `properties` closed to them, unless it says
+    otherwise (additionalProperties, patternProperties, unevaluatedProperties). JSON Schema leaves
+    such objects open, and a small model then invents keys until max_tokens ({"a": 2, "b": 2,
+    "c": 1}, or a runaway "mathsksqrt": ...); vLLM's default backend and OpenAI's strict mode
+    allow only the declared keys, and so do we. An object schema without `properties`
+    ({"type": "object"}, json_object) stays open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(s) for s in out[key]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
 
 
 @functools.lru_cache(maxsize=256)

@@ -335,3 +335,31 @@ def test_structured_bench_runs_every_side(tiny_dir, tmp_path):
     assert report["constrained_over_free_tokens_per_s"] > 0
     assert report["reviews_constrained"]["n"] == 2
     assert json.loads(out.read_text())["machine"]["llguidance"]
+
+
+def test_objects_that_list_their_properties_are_closed():
+    """JSON Schema leaves objects open; a small model then invents keys. Closed unless the
+    schema opens them itself; schemas without properties (json_object) stay open; a property
+    that happens to be named "properties" is a name, not a keyword."""
+    from engine.structured.grammar import closed_objects
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"x": {"type": "integer"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {}}},
+            "free": {"type": "object"},
+            "open": {"type": "object", "properties": {}, "additionalProperties": True},
+        },
+        "$defs": {"d": {"anyOf": [{"properties": {"y": {}}}, {"type": "string"}]}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    props = closed["properties"]
+    assert set(props) == {"properties", "tags", "free", "open"}  # no property was added
+    assert props["properties"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in props["free"]
+    assert props["open"]["additionalProperties"] is True
+    assert closed["$defs"]["d"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was
