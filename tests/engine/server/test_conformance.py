@@ -158,6 +158,30 @@ def _tool_calls(names: set[str], finish: str, most: int | None = None) -> Callab
     return check
 
 
+OPEN_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+NO_PARAMETERS = {"type": "function", "function": {"name": "ping"}}
+COMMA = _ids(",")[0]
+
+
+def _only_declared_keys(body: dict) -> None:
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    for call in choice["message"]["tool_calls"]:
+        arguments = json.loads(call["function"]["arguments"])
+        expected = {"add": {"a", "b"}, "ping": set()}[call["function"]["name"]]
+        assert set(arguments) == expected, arguments
+
+
 def _no_tool_calls(body: dict) -> None:
     message = body["choices"][0]["message"]
     assert not message.get("tool_calls") and isinstance(message["content"], str)
@@ -406,6 +430,18 @@ ROWS = [
         CHAT,
         _tools(tool_choice="required"),
         check=_tool_calls({"get_weather", "get_time"}, "tool_calls"),
+    ),
+    Row(
+        "tools named, an open schema is closed to its properties",
+        CHAT,
+        _chat(
+            max_tokens=60,
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            tools=[OPEN_TOOL, NO_PARAMETERS],
+            # Pushed towards "," after every value: an open object would take another key.
+            logit_bias={str(COMMA): 30},
+        ),
+        check=_only_declared_keys,
     ),
     Row(
         "tools required, parallel_tool_calls false",
