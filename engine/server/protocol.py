@@ -191,7 +191,7 @@ class SamplingRequest(OpenAIBaseModel):
     return_token_ids: bool | None = None  # vLLM: token_ids and prompt_token_ids in the response
     truncate_prompt_tokens: int | None = None  # vLLM: keep the prompt's last k tokens (-1: all)
     # vLLM: the scheduler takes waiting requests by (priority, arrival), lower first.
-    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX)
+    priority: int = Field(default=0, ge=_INT64_MIN, le=_INT64_MAX, strict=True)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, not used (see the module's docstring)

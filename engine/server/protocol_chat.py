@@ -61,10 +61,24 @@ class ChatMessage(BaseModel):
     function_call: dict | None = None  # assistant, legacy: one call
 
     def text(self, i: int) -> str:
-        """The message's text; media and unknown content parts are refused."""
-        if not isinstance(self.content, list):
-            return self.content or ""
+        """The message's text; media and unknown content parts are refused, and so is a
+        missing or empty content where OpenAI requires one."""
         where = f"messages[{i}].content"
+        if self.content is None:
+            calls = self.tool_calls or self.function_call
+            if self.role != "assistant" or not calls:
+                raise InvalidRequestError(
+                    f"{where}: a {self.role} message needs content"
+                    + (" (or tool_calls)" if self.role == "assistant" else ""),
+                    where,
+                )
+            return ""
+        if not isinstance(self.content, list):
+            return self.content
+        if not self.content:
+            raise InvalidRequestError(
+                f"{where}: an empty array; give a string or at least one content part", where
+            )
         texts = []
         for j, part in enumerate(self.content):
             kind = part.get("type")
@@ -176,10 +190,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(default=None, min_length=1)  # OpenAI: [] is refused
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[FunctionDefinition] | None = None
+    functions: list[FunctionDefinition] | None = Field(default=None, min_length=1)
     function_call: str | dict | None = None
     # The chat template's fields (vLLM's names).
     add_generation_prompt: bool = True

@@ -25,7 +25,9 @@ class EmbeddingRequest(OpenAIBaseModel):
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around text
     normalize: bool = True  # vLLM: L2-normalize the pooled vector
     truncate_prompt_tokens: int | None = None  # vLLM: keep each input's last k tokens (-1: all)
-    priority: int = Field(default=0, ge=-(2**63), le=2**63 - 1)  # vLLM: lower runs first
+    priority: int = Field(
+        default=0, ge=-(2**63), le=2**63 - 1, strict=True
+    )  # vLLM: lower runs first
 
     def inputs(self) -> list[str | list[int]]:
         """The inputs, each a non-empty string or a non-empty list of token ids."""

@@ -203,6 +203,13 @@ class OpenAIServing:
             return prompts
         if keep == -1:
             keep = self.info.max_request_tokens
+        if keep > self.max_model_len:
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                f"({self.max_model_len}); give at most that, or -1 for as many as fit",
+                param="truncate_prompt_tokens",
+            )
         if keep < 1:
             raise APIError(
                 400,
