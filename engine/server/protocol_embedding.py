@@ -49,15 +49,17 @@ class EmbeddingRequest(OpenAIBaseModel):
 
 def _text(value: str, where: str) -> str:
     if not value:
-        raise _bad(f"{where} is an empty string: there is nothing to embed")
+        raise _bad(f"{where} is an empty string: there is nothing to embed", where)
     return value
 
 
 def _tokens(value: list, where: str) -> list[int]:
     if not value:
-        raise _bad(f"{where} is an empty list of token ids: there is nothing to embed")
+        raise _bad(f"{where} is an empty list of token ids: there is nothing to embed", where)
     if not all(_is_token(t) for t in value):
-        raise _bad(f"{where} must be a list of token ids (integers); input must be {_SHAPES}")
+        raise _bad(
+            f"{where} must be a list of token ids (integers); input must be {_SHAPES}", where
+        )
     return list(value)
 
 
@@ -65,5 +67,5 @@ def _is_token(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _bad(message: str) -> APIError:
-    return APIError(400, message, param="input")
+def _bad(message: str, where: str = "input") -> APIError:
+    return APIError(400, message, param=where)

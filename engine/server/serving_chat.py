@@ -129,7 +129,13 @@ class OpenAIServingChat(OpenAIServing):
         if setup.choice == "none":
             return PlainText
         if "tools" not in template:
-            field = "chat_template" if body.chat_template else "tools"
+            field = (
+                "chat_template"
+                if body.chat_template
+                else "functions"
+                if body.functions
+                else "tools"
+            )
             raise APIError(
                 400,
                 'tool_choice "auto": the chat template never renders tools, so the model would '

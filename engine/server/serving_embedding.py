@@ -53,8 +53,9 @@ class OpenAIServingEmbedding(OpenAIServing):
         # Tokenizing runs on a worker thread: neither the event loop nor the engine waits.
         encoded = await asyncio.to_thread(self._encode, inputs, body.add_special_tokens)
         prompts = self.truncate([(ids, None) for ids in encoded], body.truncate_prompt_tokens)
-        for ids, _ in prompts:
-            self._check_tokens(ids)
+        several = isinstance(body.input, list) and not all(isinstance(t, int) for t in body.input)
+        for i, (ids, _) in enumerate(prompts):
+            self._check_tokens(ids, f"input[{i}]" if several else "input")
         rid = f"embd-{uuid.uuid4().hex}"
         streams = self.admit(
             rid, prompts, _PREFILL_ONLY, priority=body.priority, pooling=pooling, param="input"
@@ -91,16 +92,16 @@ class OpenAIServingEmbedding(OpenAIServing):
             for i in inputs
         ]
 
-    def _check_tokens(self, ids: list[int]) -> None:
+    def _check_tokens(self, ids: list[int], where: str) -> None:
         vocab = self.info.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(
-                400, f"input: token id {bad} is outside the vocabulary [0, {vocab})", param="input"
+                400, f"{where}: token id {bad} is outside the vocabulary [0, {vocab})", param=where
             )
         if not ids:  # a text that tokenizes to nothing (no special tokens asked for)
             raise APIError(
-                400, "input: a text gave no tokens; there is nothing to embed", param="input"
+                400, f"{where}: a text gave no tokens; there is nothing to embed", param=where
             )
         # The whole input is the request: max_model_len, or less when the KV pool is smaller.
         limit = self.info.max_request_tokens
@@ -110,7 +111,7 @@ class OpenAIServingEmbedding(OpenAIServing):
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{len(ids)} tokens in the input for embedding generation. Please reduce the "
                 "length of the input.",
-                param="input",
+                param=where,
                 code="context_length_exceeded",
             )
 

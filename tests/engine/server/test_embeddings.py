@@ -155,13 +155,13 @@ def _assert_refused(r: httpx.Response, status: int, param: str | None, *words: s
     [
         ({"input": ""}, "input", ["empty string"]),
         ({"input": []}, "input", ["empty"]),
-        ({"input": ["a", ""]}, "input", ["input[1]", "empty string"]),
-        ({"input": [[]]}, "input", ["input[0]", "empty list"]),
+        ({"input": ["a", ""]}, "input[1]", ["input[1]", "empty string"]),
+        ({"input": [[]]}, "input[0]", ["input[0]", "empty list"]),
         ({"input": [5, 49152]}, "input", ["49152", "vocabulary"]),
-        ({"input": [[5], [-1]]}, "input", ["-1", "vocabulary"]),
+        ({"input": [[5], [-1]]}, "input[1]", ["-1", "vocabulary"]),
         ({"input": 5}, "input", ["a string, a list of strings"]),
         ({"input": [1, "a"]}, "input", ["a string, a list of strings"]),
-        ({"input": [[1, 2.5]]}, "input", ["input[0]", "token ids"]),
+        ({"input": [[1, 2.5]]}, "input[0]", ["input[0]", "token ids"]),
         ({"input": [True]}, "input", ["a string"]),
         ({}, "input", ["Field required"]),
         ({"input": ["x"] * 9}, "input", ["9 inputs", "limit of 8"]),
@@ -180,7 +180,7 @@ def test_bad_input_is_a_400_naming_its_field(server, body, param, words):
 @pytest.mark.parametrize("given", [[7] * (MAX_MODEL_LEN + 1), "word " * (MAX_MODEL_LEN + 10)])
 def test_too_long_input_is_refused_in_openais_words(server, given):
     url, _ = server
-    error = _assert_refused(_post(url, {"input": [given]}), 400, "input")
+    error = _assert_refused(_post(url, {"input": [given]}), 400, "input[0]")
     assert error["code"] == "context_length_exceeded"
     assert error["message"].startswith(
         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
