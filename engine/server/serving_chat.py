@@ -168,12 +168,12 @@ class OpenAIServingChat(OpenAIServing):
                 {
                     "token": text,
                     "logprob": finite_logprob(lp[token_id]),
-                    "bytes": list(text.encode()),
+                    "bytes": self.token_bytes(token_id),
                     "top_logprobs": [
                         {
                             "token": self.token_text(t),
                             "logprob": finite_logprob(v),
-                            "bytes": list(self.token_text(t).encode()),
+                            "bytes": self.token_bytes(t),
                         }
                         for t, v in top
                     ],

@@ -18,6 +18,7 @@ from engine.server.disconnect import ClientDisconnected, until_disconnected
 from engine.server.errors import APIError, as_api_error, sse_error
 from engine.server.limits import RequestLimits
 from engine.server.metrics import ServerMetrics
+from engine.server.token_bytes import TokenBytes
 
 DONE = "data: [DONE]\n\n"
 
@@ -45,6 +46,7 @@ class OpenAIServing:
         self.limits = limits
         self.max_waiting_requests = max_waiting_requests
         self.max_model_len = engine.info.max_model_len
+        self.token_bytes = TokenBytes(self.tokenizer)  # a token's own bytes (chat logprobs)
         # No prompt longer than this can fit, whatever it says: no token covers more characters.
         self.max_prompt_chars = self.max_model_len * max_token_chars(self.tokenizer)
 
