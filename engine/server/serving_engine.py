@@ -309,21 +309,15 @@ class OpenAIServing:
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
         cached = sum(f.metrics.num_cached_tokens for f in finals)
-        out = {
+        # No completion_tokens_details for speculation's drafts: OpenAI's prediction tokens are
+        # Predicted Outputs, billed as completion tokens, which drafts are not; vLLM sends none
+        # either, so a response is the same with speculation or without (drafts: /metrics).
+        return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-        if self.info.speculative:
-            # OpenAI reports predicted-output tokens here; speculation's drafts are the same idea.
-            accepted = sum(f.metrics.num_accepted_tokens for f in finals)
-            proposed = sum(f.metrics.num_draft_tokens for f in finals)
-            out["completion_tokens_details"] = {
-                "accepted_prediction_tokens": accepted,
-                "rejected_prediction_tokens": proposed - accepted,
-            }
-        return out
 
 
 async def first_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -306,7 +306,7 @@ def test_constrained_requests_do_not_speculate_but_share_the_batch(chat_model):
     assert got[1].metrics.num_draft_tokens > 0
 
 
-def test_server_reports_speculation_in_usage_and_metrics(chat_model):
+def test_server_reports_speculation_in_metrics_not_usage(chat_model):
     with live_server(
         chat_model, "tiny", speculative="draft", draft_model=str(chat_model), max_num_seqs=4
     ) as (url, _):
@@ -318,9 +318,13 @@ def test_server_reports_speculation_in_usage_and_metrics(chat_model):
                 "temperature": 0,
             }
             usage = client.post("/v1/chat/completions", json=body).json()["usage"]
-            details = usage["completion_tokens_details"]
-            assert details["accepted_prediction_tokens"] > 0
-            assert details["rejected_prediction_tokens"] == 0  # its own draft: all accepted
+            # The same usage as without speculation (drafts are not OpenAI's predictions).
+            assert set(usage) == {
+                "prompt_tokens",
+                "completion_tokens",
+                "total_tokens",
+                "prompt_tokens_details",
+            }
             metrics = client.get("/metrics").text
     values = {
         line.split()[0]: float(line.split()[1])
