@@ -79,15 +79,34 @@ class SimResult:
         return self.output_tokens / self.makespan_s if self.makespan_s > 0 else math.inf
 
 
-def prompt_token_ids(record: TraceRecord, vocab: int = 32000) -> list[int]:
+def prompt_token_ids(record: TraceRecord, vocab: int = 32000, *, owner: int) -> list[int]:
     """Token ids for a trace record: block i of the prompt is a fixed function of hash_ids[i], so
-    records sharing leading hash_ids share a token prefix (and its KV blocks)."""
+    records sharing leading hash_ids share a token prefix (and its KV blocks). Tokens past the
+    record's hash_ids, all of them for a record without any (unknown sharing), are its own: a
+    function of `owner` (the record's index), so they share nothing with any other record."""
     tokens: list[int] = []
+    own = _mix(_OWN_SALT, owner)
     for position in range(record.input_length):
-        block = position // BLOCK_TOKENS
-        seed = record.hash_ids[block] if block < len(record.hash_ids) else -1 - position
-        tokens.append(2 + (seed * 7919 + (position % BLOCK_TOKENS) * 104729) % (vocab - 2))
+        block, offset = divmod(position, BLOCK_TOKENS)
+        if block < len(record.hash_ids):
+            value = _mix(_mix(_SHARED_SALT, record.hash_ids[block]), offset)
+        else:
+            value = _mix(own, position)
+        tokens.append(2 + value % (vocab - 2))
     return tokens
+
+
+_SHARED_SALT, _OWN_SALT = 0x5EED_0001, 0x5EED_0002
+_MASK = (1 << 64) - 1
+
+
+def _mix(a: int, b: int) -> int:
+    """splitmix64 of a combined with b: distinct inputs give unrelated 64-bit outputs (a plain
+    linear formula made blocks of different records equal modulo a small vocabulary)."""
+    z = (a * 0x9E3779B97F4A7C15 + b + 0x632BE59BD9B4E5C3) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
 
 
 def simulate(
@@ -154,7 +173,12 @@ def _requests(
         rid = str(index)
         params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0)
         request = Request(
-            rid, prompt_token_ids(record, vocab), params, output, arrival, arrival_seq=index
+            rid,
+            prompt_token_ids(record, vocab, owner=index),
+            params,
+            output,
+            arrival,
+            arrival_seq=index,
         )
         sims.append(SimRequest(rid, arrival, record.input_length, output))
         pending.append((arrival, request))
