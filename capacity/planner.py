@@ -16,7 +16,7 @@ from capacity.gpus import GpuSpec
 from capacity.memory import MemoryPlan, MemoryPlanError, plan_memory
 from capacity.model_specs import ModelSpec, ModelSpecError, check_tp
 from capacity.perf import Hardware, PerfCoefficients, PerfModel, StepShape, model_costs
-from capacity.simulate import EngineShape, SimResult, simulate
+from capacity.simulate import EngineShape, Load, SimResult, simulate
 from workload.trace import TraceRecord
 
 MAX_REPLICAS = 256
@@ -35,6 +35,8 @@ class PlanSettings:
     deadline_s: float | None = None
     api_price_in: float | None = None  # USD per million input tokens
     api_price_out: float | None = None
+    # How requests arrive (the replay's modes); the nightly job sends everything at once.
+    load: Load = field(default_factory=Load)
 
 
 @dataclass(slots=True)
@@ -128,8 +130,10 @@ def plan_gpu(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    result.sim = simulate(trace, step_time, engine, batch=True)
-    result.replicas, shard = _replicas(trace, step_time, engine, result.sim, settings.deadline_s)
+    result.sim = simulate(trace, step_time, engine, load=settings.load)
+    result.replicas, shard = _replicas(
+        trace, step_time, engine, result.sim, settings.deadline_s, settings.load
+    )
     result.replica_makespan_s = shard.makespan_s
     result.latency = _latency(result.sim)
     return result
@@ -158,13 +162,15 @@ def _replicas(
     engine: EngineShape,
     whole: SimResult,
     deadline_s: float | None,
+    load: Load,
 ) -> tuple[int, SimResult]:
-    """The fewest replicas whose share of the batch (every n-th request) ends by the deadline."""
+    """The fewest replicas whose share of the batch (every n-th request, and its share of the
+    load's rate or concurrency) ends by the deadline."""
     if deadline_s is None or whole.makespan_s <= deadline_s:
         return 1, whole
     replicas = max(2, math.ceil(whole.makespan_s / deadline_s))
     while replicas <= MAX_REPLICAS:
-        shard = simulate(trace[::replicas], step_time, engine, batch=True)
+        shard = simulate(trace[::replicas], step_time, engine, load=load.split(replicas))
         if shard.makespan_s <= deadline_s:
             return replicas, shard
         replicas += 1

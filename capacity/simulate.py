@@ -10,8 +10,9 @@ in a real replay."""
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from capacity.perf import StepShape
 from engine.kv.kv_cache_manager import KVCacheManager
@@ -33,6 +34,47 @@ class EngineShape:
     max_num_batched_tokens: int = 1024
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
+
+
+MODES = ("batch", "trace", "poisson", "concurrency")
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """How requests arrive, as `workload replay --mode` sends them: batch (all at 0), trace (at
+    the trace's timestamps), poisson (at `rate` requests/s, seeded exponential gaps; vLLM bench
+    serve's --request-rate) or concurrency (at most `concurrency` in flight, the next sent as one
+    finishes; vLLM bench serve's --max-concurrency)."""
+
+    mode: str = "batch"
+    rate: float | None = None
+    concurrency: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.mode == "poisson" and not (self.rate is not None and 0 < self.rate < math.inf):
+            raise ValueError("--mode poisson needs --rate, requests per second > 0")
+        if self.mode == "concurrency" and not (self.concurrency and self.concurrency >= 1):
+            raise ValueError("--mode concurrency needs --concurrency >= 1")
+
+    def describe(self) -> str:
+        if self.mode == "poisson":
+            return f"Poisson arrivals at {self.rate:g} requests/s (seed {self.seed})"
+        if self.mode == "concurrency":
+            return f"at most {self.concurrency} requests in flight"
+        if self.mode == "trace":
+            return "arrivals at the trace's timestamps"
+        return "every request sent at once (batch)"
+
+    def split(self, replicas: int) -> Load:
+        """One of `replicas` equal shares of this load (each gets every n-th request)."""
+        if self.mode == "poisson":
+            return replace(self, rate=self.rate / replicas)
+        if self.mode == "concurrency":
+            return replace(self, concurrency=max(1, math.ceil(self.concurrency / replicas)))
+        return self
 
 
 @dataclass(slots=True)
@@ -118,18 +160,30 @@ def simulate(
     batch: bool = False,
     keep_schedule: bool = False,
     vocab: int = 32000,
+    load: Load | None = None,
 ) -> SimResult:
-    """Run the trace to completion; arrivals at timestamp / time_scale, or all at 0 (batch)."""
+    """Run the trace to completion. Arrivals as `load` says; without one, at timestamp /
+    time_scale, or all at 0 (batch)."""
+    load = load or Load("batch" if batch else "trace")
     kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
     config = SchedulerConfig(
         engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len
     )
     scheduler = Scheduler(config, kv)
-    sims, pending = _requests(trace, engine, time_scale, batch, vocab)
+    sims, pending = _requests(trace, engine, _arrivals(trace, load, time_scale), vocab)
     by_id = {s.request_id: s for s in sims}
+    closed_loop = load.mode == "concurrency"
+    in_flight = 0
     clock, steps, result = 0.0, 0, SimResult(sims, 0.0, 0, 0)
     while pending or scheduler.has_unfinished():
-        while pending and pending[-1][0] <= clock:
+        if closed_loop:
+            # The next request goes out as soon as one of the `concurrency` finishes.
+            while pending and in_flight < load.concurrency:
+                request = pending.pop()[1]
+                request.arrival_time = by_id[request.request_id].arrival_s = clock
+                scheduler.add_request(request)
+                in_flight += 1
+        while not closed_loop and pending and pending[-1][0] <= clock:
             scheduler.add_request(pending.pop()[1])
         if not scheduler.has_unfinished():
             clock = pending[-1][0]  # idle until the next arrival
@@ -147,6 +201,7 @@ def simulate(
                 by_id[rid].first_token_s = clock
         for request in scheduler.update(out, sampled):
             by_id[request.request_id].finish_s = clock
+            in_flight -= 1
         result.kv_usage.append((clock, kv.usage()))
     first = min((s.arrival_s for s in sims), default=0.0)
     result.makespan_s, result.steps = clock - first, steps
@@ -154,11 +209,24 @@ def simulate(
     return result
 
 
+def _arrivals(trace: list[TraceRecord], load: Load, time_scale: float) -> list[float]:
+    """Each record's arrival in seconds (concurrency: replaced as the run releases them)."""
+    if load.mode == "trace":
+        start = min((r.timestamp for r in trace), default=0.0)
+        return [(r.timestamp - start) / 1000.0 / time_scale for r in trace]
+    if load.mode == "poisson":
+        rng, clock, arrivals = random.Random(load.seed), 0.0, []
+        for _ in trace:
+            arrivals.append(clock)
+            clock += rng.expovariate(load.rate)
+        return arrivals
+    return [0.0] * len(trace)
+
+
 def _requests(
-    trace: list[TraceRecord], engine: EngineShape, time_scale: float, batch: bool, vocab: int
+    trace: list[TraceRecord], engine: EngineShape, arrivals: list[float], vocab: int
 ) -> tuple[list[SimRequest], list[tuple[float, Request]]]:
     sims, pending = [], []
-    start = min((r.timestamp for r in trace), default=0.0)
     for index, record in enumerate(trace):
         # A request generates at least one token: a recorded 0 is sent as 1, as replay sends it.
         output = max(1, record.output_length)
@@ -169,7 +237,7 @@ def _requests(
                 f"trace record {index}: {record.input_length} + {output} tokens "
                 f"exceed max_model_len {engine.max_model_len}"
             )
-        arrival = 0.0 if batch else (record.timestamp - start) / 1000.0 / time_scale
+        arrival = arrivals[index]
         rid = str(index)
         params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0)
         request = Request(

@@ -146,6 +146,16 @@ def report(
     gpu_file: Annotated[Path | None, typer.Option(help="YAML/JSON adding GPUs.")] = None,
     calibration: Annotated[Path | None, typer.Option(help="From capacity calibrate.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    mode: Annotated[
+        str,
+        typer.Option(
+            help="How requests arrive: batch, trace (its timestamps), poisson, concurrency."
+        ),
+    ] = "batch",
+    rate: Annotated[float | None, typer.Option(help="poisson: requests per second.")] = None,
+    concurrency: Annotated[
+        int | None, typer.Option(help="concurrency: most requests in flight.")
+    ] = None,
     out: Annotated[Path, typer.Option("-o", "--out", help="report.html (and .md)")] = Path(
         "capacity-report.html"
     ),
@@ -161,6 +171,7 @@ def report(
     settings = replace(
         _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
         deadline_s=_seconds(deadline) if deadline else None,
+        load=_load(mode, rate, concurrency, seed),
         **_prices(api_price_per_mtok),
     )
     tps = _ints(tp, "--tp")
@@ -188,6 +199,15 @@ def report(
         raise fail(f"cannot write {out}: {exc.strerror or exc}") from None
     for name in written:
         typer.echo(f"wrote {name}")
+
+
+def _load(mode: str, rate: float | None, concurrency: int | None, seed: int):
+    from capacity.simulate import Load
+
+    try:
+        return Load(mode, rate, concurrency, seed)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
 
 
 def _dtype(dtype: str) -> None:

@@ -12,6 +12,7 @@ from capacity.memory import plan_memory
 from capacity.model_specs import load_model_spec
 from capacity.planner import PlanSettings, api_cost, plan_gpu
 from capacity.report import build_report, render
+from capacity.simulate import Load
 from nightshift.cli import app
 from workload.trace import TraceRecord, write_trace
 
@@ -144,3 +145,23 @@ def test_a_report_where_nothing_fits_prints_no_warnings(tmp_path):
         warnings.simplefilter("error")
         paths = render(report, tmp_path / "plan.html")
     assert all(p.exists() for p in paths)
+
+
+def test_report_load_modes(tmp_path):
+    """--mode trace plans the trace's own arrivals: three requests 10 minutes apart keep one L4
+    busy for 20 minutes and more; --mode poisson without --rate is a one-line refusal."""
+    trace = tmp_path / "spaced.jsonl"
+    write_trace(trace, [TraceRecord(t * 600_000.0, 500, 100, [t]) for t in range(3)])
+    base = ["capacity", "report", "--model", "Qwen2.5-7B", "--trace", str(trace), "--gpus", "L4"]
+    out = tmp_path / "r.html"
+    timed = CliRunner().invoke(app, [*base, "--mode", "trace", "-o", str(out)])
+    assert timed.exit_code == 0, timed.output
+    md = (tmp_path / "r.md").read_text()
+    assert "arrivals at the trace's timestamps" in md
+    records = [TraceRecord(t * 600_000.0, 500, 100, [t]) for t in range(3)]
+    spec, gpu = load_model_spec("Qwen2.5-7B"), find_gpu("L4")
+    timed_plan = plan_gpu(spec, records, gpu, 1, PlanSettings(load=Load("trace")))
+    batch_plan = plan_gpu(spec, records, gpu, 1, PlanSettings())
+    assert timed_plan.sim.makespan_s >= 1200 > 60 > batch_plan.sim.makespan_s
+    bad = CliRunner().invoke(app, [*base, "--mode", "poisson", "-o", str(tmp_path / "p.html")])
+    assert bad.exit_code == 2 and "--rate" in bad.output

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from capacity.perf import StepShape
-from capacity.simulate import EngineShape, prompt_token_ids, simulate
+from capacity.simulate import EngineShape, Load, prompt_token_ids, simulate
 from engine import LLM, SamplingParams
 from tests.engine.tiny_models import build_tiny_model
 from workload.trace import TraceRecord
@@ -150,3 +150,50 @@ def test_a_trace_without_hash_ids_shares_nothing():
     assert times["shared"] < 0.8 * times["unique"]  # the cache still works when it should
     first, second = (prompt_token_ids(r, 32000, owner=i) for i, r in enumerate(unknown[:2]))
     assert first[:16] != second[:16]
+
+
+def _constant_step(_: StepShape) -> float:
+    return 0.01
+
+
+_SMALL = EngineShape(num_blocks=512, max_num_seqs=8, max_num_batched_tokens=256)
+
+
+def test_trace_mode_honours_arrivals():
+    """Three requests 10 s apart take 20 s and more, not the 1.3 s of sending them at once."""
+    trace = [TraceRecord(t * 10_000.0, 64, 8, [t]) for t in range(3)]
+    timed = simulate(trace, _constant_step, _SMALL, load=Load("trace"))
+    at_once = simulate(trace, _constant_step, _SMALL, load=Load("batch"))
+    assert [r.arrival_s for r in timed.requests] == [0.0, 10.0, 20.0]
+    assert timed.makespan_s >= 20.0 > 1.0 > at_once.makespan_s
+
+
+def test_poisson_mode_draws_seeded_arrivals_at_the_rate():
+    trace = [TraceRecord(0, 32, 4, [i]) for i in range(400)]
+    run = simulate(trace, _constant_step, _SMALL, load=Load("poisson", rate=20.0, seed=3))
+    again = simulate(trace, _constant_step, _SMALL, load=Load("poisson", rate=20.0, seed=3))
+    arrivals = [r.arrival_s for r in run.requests]
+    assert arrivals == [r.arrival_s for r in again.requests]
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.15)
+    assert run.makespan_s >= arrivals[-1]
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_concurrency_mode_keeps_at_most_that_many_in_flight(concurrency):
+    trace = [TraceRecord(0, 32, 5, [i]) for i in range(9)]
+    load = Load("concurrency", concurrency=concurrency)
+    run = simulate(trace, _constant_step, _SMALL, load=load, keep_schedule=True)
+    for step in run.schedule:
+        assert len({rid for rid, _ in step}) <= concurrency
+    if concurrency == 1:  # one after another: each is sent as the previous one ends
+        for before, after in zip(run.requests, run.requests[1:]):
+            assert after.arrival_s == before.finish_s
+
+
+@pytest.mark.parametrize(
+    "load", [{"mode": "poisson"}, {"mode": "concurrency"}, {"mode": "sometimes"}]
+)
+def test_a_load_without_its_number_is_refused(load):
+    with pytest.raises(ValueError, match="--"):
+        Load(**load)
