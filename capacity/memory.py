@@ -309,7 +309,9 @@ def _check_pool(where: str, blocks: int, block_size: int, max_model_len: int, po
         raise MemoryPlanError(
             f"{where}: max_model_len {max_model_len} needs {math.ceil(max_model_len / block_size)} "
             f"KV blocks but the pool holds {blocks} ({blocks * block_size} tokens); lower "
-            f"max_model_len to at most {blocks * block_size} or free memory for the KV cache"
+            f"--max-model-len to at most {blocks * block_size} (if the workload's requests fit "
+            f"in that), or free memory for the KV cache (--utilization, a larger --tp, a smaller "
+            f"--dtype)"
         )
 
 

@@ -35,6 +35,9 @@ class PlanSettings:
     deadline_s: float | None = None
     api_price_in: float | None = None  # USD per million input tokens
     api_price_out: float | None = None
+    # The engine's max_model_len; None: the longest request rounded up to 1024 (at most the
+    # model's context). Smaller than the longest request is refused.
+    max_model_len: int | None = None
     # How requests arrive (the replay's modes); the nightly job sends everything at once.
     load: Load = field(default_factory=Load)
 
@@ -103,7 +106,15 @@ def plan_gpu(
 ) -> GpuPlan:
     result = GpuPlan(gpu, tp)
     longest = max(r.input_length + r.output_length for r in trace)
-    max_model_len = min(spec.max_position_embeddings, math.ceil(longest / 1024) * 1024)
+    max_model_len = settings.max_model_len or min(
+        spec.max_position_embeddings, math.ceil(longest / 1024) * 1024
+    )
+    if max_model_len < longest:
+        result.error = (
+            f"--max-model-len {max_model_len} is shorter than the workload's longest request "
+            f"({longest} tokens, prompt and output)"
+        )
+        return result
     try:
         check_tp(spec, tp)
         result.memory = plan_memory(

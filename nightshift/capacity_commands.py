@@ -146,6 +146,12 @@ def report(
     gpu_file: Annotated[Path | None, typer.Option(help="YAML/JSON adding GPUs.")] = None,
     calibration: Annotated[Path | None, typer.Option(help="From capacity calibrate.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
+    max_model_len: Annotated[
+        int | None,
+        typer.Option(
+            help="The engine's max_model_len (default: the longest request, rounded up).", min=1
+        ),
+    ] = None,
     mode: Annotated[
         str,
         typer.Option(
@@ -172,6 +178,7 @@ def report(
         _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
         deadline_s=_seconds(deadline) if deadline else None,
         load=_load(mode, rate, concurrency, seed),
+        max_model_len=max_model_len,
         **_prices(api_price_per_mtok),
     )
     tps = _ints(tp, "--tp")

@@ -165,3 +165,15 @@ def test_report_load_modes(tmp_path):
     assert timed_plan.sim.makespan_s >= 1200 > 60 > batch_plan.sim.makespan_s
     bad = CliRunner().invoke(app, [*base, "--mode", "poisson", "-o", str(tmp_path / "p.html")])
     assert bad.exit_code == 2 and "--rate" in bad.output
+
+
+def test_max_model_len_is_an_option():
+    """--max-model-len sets the engine's context (the KV pool must hold one such request); one
+    shorter than the workload's longest request is refused, naming both."""
+    spec, gpu = load_model_spec("Qwen2.5-7B"), find_gpu("L4")
+    records = _trace(2)
+    longest = max(r.input_length + r.output_length for r in records)
+    plan = plan_gpu(spec, records, gpu, 1, PlanSettings(max_model_len=32768))
+    assert plan.error is None and plan.memory.max_model_len == 32768
+    short = plan_gpu(spec, records, gpu, 1, PlanSettings(max_model_len=longest - 1))
+    assert "--max-model-len" in short.error and str(longest) in short.error
