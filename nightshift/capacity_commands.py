@@ -206,6 +206,11 @@ def report(
         raise fail(f"cannot write {out}: {exc.strerror or exc}") from None
     for name in written:
         typer.echo(f"wrote {name}")
+    if all(plan.error for plan in result.plans):
+        # The report says why each one fails; a script that asked "what fits?" learns "nothing".
+        for plan in result.plans:
+            typer.echo(f"{plan.gpu.name} tp {plan.tp}: {plan.error}", err=True)
+        raise typer.Exit(1)
 
 
 def _load(mode: str, rate: float | None, concurrency: int | None, seed: int):

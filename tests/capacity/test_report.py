@@ -177,3 +177,16 @@ def test_max_model_len_is_an_option():
     assert plan.error is None and plan.memory.max_model_len == 32768
     short = plan_gpu(spec, records, gpu, 1, PlanSettings(max_model_len=longest - 1))
     assert "--max-model-len" in short.error and str(longest) in short.error
+
+
+def test_nothing_fits_is_exit_1_with_the_reasons(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, _trace(2))
+    args = ["capacity", "report", "--model", "Llama-3.1-70B", "--trace", str(trace)]
+    result = CliRunner().invoke(app, [*args, "--gpus", "L4", "-o", str(tmp_path / "r.html")])
+    assert result.exit_code == 1, result.output
+    assert (tmp_path / "r.md").exists()  # the report still says why
+    assert "L4 tp 1:" in result.output
+    one_fits = [*args, "--gpus", "L4,H200", "--dtype", "fp8", "-o", str(tmp_path / "s.html")]
+    fits = CliRunner().invoke(app, one_fits)
+    assert fits.exit_code == 0, fits.output
