@@ -5,6 +5,7 @@ datasheet estimate, or pending a GPU measurement."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import math
 from dataclasses import dataclass, field
@@ -115,6 +116,52 @@ def _scaling(
 
 def _fields(settings: PlanSettings) -> dict:
     return {name: getattr(settings, name) for name in settings.__slots__}
+
+
+def report_json(report: Report) -> dict:
+    """Every table's figures, unrounded, for scripts (`capacity report --json FILE`). Times in
+    seconds, memory in bytes, money in USD; each plan says how its times were obtained."""
+    requests = len(report.trace)
+    plans = []
+    for p in report.plans:
+        entry: dict = {"gpu": p.gpu.name, "tp": p.tp, "error": p.error, "basis": p.basis}
+        if p.memory is not None:
+            entry["memory"] = dataclasses.asdict(p.memory)
+        if p.sim is not None:
+            makespan = p.sim.makespan_s
+            entry |= {
+                "replicas": p.replicas,
+                "gpus": p.gpus,
+                "makespan_s": makespan,
+                "replica_makespan_s": p.replica_makespan_s,
+                "gpu_hours": p.gpu_hours,
+                "cost_per_night_usd": p.cost_per_night,
+                "cost_per_month_usd": p.cost_per_night * DAYS_PER_MONTH,
+                "output_tokens_per_s": p.sim.output_tokens_per_s,
+                "total_tokens_per_s": (
+                    sum(r.input_length + r.output_length for r in p.sim.requests) / makespan
+                    if makespan > 0
+                    else None
+                ),
+                "requests_per_s": requests / makespan if makespan > 0 else None,
+                "preemptions": p.sim.preemptions,
+                "latency_s": p.latency,
+            }
+        plans.append(entry)
+    return {
+        "model": report.model.name,
+        "workload": report.trace_note,
+        "requests": requests,
+        "input_tokens": sum(r.input_length for r in report.trace),
+        "output_tokens": sum(r.output_length for r in report.trace),
+        "settings": {
+            **{k: v for k, v in _fields(report.settings).items() if k != "load"},
+            "load": dataclasses.asdict(report.settings.load),
+        },
+        "api_cost_per_night_usd": report.api_cost_per_night,
+        "plans": plans,
+        "scaling_makespan_s": report.scaling,
+    }
 
 
 def render(report: Report, out: Path) -> list[Path]:

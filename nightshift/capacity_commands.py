@@ -165,15 +165,18 @@ def report(
     out: Annotated[Path, typer.Option("-o", "--out", help="report.html (and .md)")] = Path(
         "capacity-report.html"
     ),
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also every figure, unrounded, as JSON.")
+    ] = None,
 ) -> None:
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
     from capacity.calibrate import load_calibration
     from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
-    from capacity.report import build_report, render
+    from capacity.report import build_report, render, report_json
     from workload.synth import SynthError, synth_trace
     from workload.trace import read_trace
 
-    _outputs({"-o": out})
+    _outputs({"-o": out, **({"--json": json_out} if json_out else {})})
     settings = replace(
         _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
         deadline_s=_seconds(deadline) if deadline else None,
@@ -204,6 +207,12 @@ def report(
         written = render(result, out)
     except OSError as exc:
         raise fail(f"cannot write {out}: {exc.strerror or exc}") from None
+    if json_out is not None:
+        try:
+            json_out.write_text(json.dumps(report_json(result), indent=1) + "\n")
+        except OSError as exc:
+            raise fail(f"cannot write {json_out}: {exc.strerror or exc}") from None
+        written.append(json_out)
     for name in written:
         typer.echo(f"wrote {name}")
     if all(plan.error for plan in result.plans):

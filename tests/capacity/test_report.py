@@ -190,3 +190,24 @@ def test_nothing_fits_is_exit_1_with_the_reasons(tmp_path):
     one_fits = [*args, "--gpus", "L4,H200", "--dtype", "fp8", "-o", str(tmp_path / "s.html")]
     fits = CliRunner().invoke(app, one_fits)
     assert fits.exit_code == 0, fits.output
+
+
+def test_json_output_has_every_figure_unrounded(tmp_path):
+    import json
+
+    trace = tmp_path / "t.jsonl"
+    records = _trace(3)
+    write_trace(trace, records)
+    out, data_path = tmp_path / "r.html", tmp_path / "r.json"
+    args = ["capacity", "report", "--model", "Qwen2.5-7B", "--trace", str(trace), "--gpus", "L4"]
+    result = CliRunner().invoke(app, [*args, "-o", str(out), "--json", str(data_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(data_path.read_text())
+    (plan,) = data["plans"]
+    direct = plan_gpu(load_model_spec("Qwen2.5-7B"), records, find_gpu("L4"), 1, PlanSettings())
+    assert plan["makespan_s"] == direct.sim.makespan_s  # not rounded for a table
+    tokens = sum(r.input_length + r.output_length for r in records)
+    assert plan["total_tokens_per_s"] == pytest.approx(tokens / plan["makespan_s"])
+    assert plan["requests_per_s"] == pytest.approx(len(records) / plan["makespan_s"])
+    assert plan["memory"]["kv_bytes_per_token"] == direct.memory.kv_bytes_per_token
+    assert data["settings"]["load"]["mode"] == "batch" and data["requests"] == len(records)
