@@ -84,6 +84,20 @@ def _server_metrics(engine) -> ServerMetrics:
     )
 
 
+# Every histogram vLLM observes once per (child) request as it finishes.
+PER_SAMPLE = (
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_time_per_output_token_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+)
+
+
 def test_counts_agree_with_the_responses(server):
     url, _ = server
     before = _samples(url)
@@ -110,18 +124,7 @@ def test_counts_agree_with_the_responses(server):
     assert _delta(before, after, "vllm:prompt_tokens_total") == prompt
     assert _delta(before, after, "vllm:generation_tokens_total") == generated
     assert _delta(before, after, "nightshift:generation_tokens_total") == generated
-    for name in (
-        "vllm:time_to_first_token_seconds",
-        "vllm:e2e_request_latency_seconds",
-        "vllm:request_queue_time_seconds",
-        "vllm:request_prefill_time_seconds",
-        "vllm:request_decode_time_seconds",
-        "vllm:request_inference_time_seconds",
-        "vllm:request_time_per_output_token_seconds",
-        "vllm:request_prompt_tokens",
-        "vllm:request_generation_tokens",
-        "vllm:request_params_n",
-    ):
+    for name in (*PER_SAMPLE, "vllm:request_params_n"):
         assert _delta(before, after, f"{name}_count") == k, name
     assert _delta(before, after, "vllm:request_prompt_tokens_sum") == prompt
     assert _delta(before, after, "vllm:request_generation_tokens_sum") == generated
@@ -136,20 +139,6 @@ def test_counts_agree_with_the_responses(server):
         for p in ("queue", "prefill", "decode")
     )
     assert phases == pytest.approx(_delta(before, after, "vllm:e2e_request_latency_seconds_sum"))
-
-
-# Every histogram vLLM observes once per (child) request as it finishes.
-PER_SAMPLE = (
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:request_prefill_time_seconds",
-    "vllm:request_decode_time_seconds",
-    "vllm:request_inference_time_seconds",
-    "vllm:request_time_per_output_token_seconds",
-    "vllm:time_to_first_token_seconds",
-    "vllm:request_prompt_tokens",
-    "vllm:request_generation_tokens",
-)
 
 
 def test_each_of_n_samples_counts_as_a_request(server):
