@@ -2,10 +2,12 @@
 
 Each profiled step gives a shape (tokens, sampled rows, attention pairs, context) and a measured
 cycle time: the step itself plus the serving loop's gap before the next step when work was
-waiting. The model is max(k_compute * FLOPs, k_memory * bytes) + t_step + t_row * rows, piecewise
-linear: given which ceiling binds each step, the coefficients are a linear least-squares fit.
-`fit` alternates the two - assign each step to the ceiling that binds under the current
-coefficients, refit - until the assignment stops changing (a k-plane regression)."""
+waiting. The model (`perf.py`) is max(k_compute GEMM FLOPs, k_memory weight bytes) +
+max(k_attention attention FLOPs, k_memory KV bytes) + t_step + t_row rows: piecewise linear, so
+given which ceiling binds each of a step's two rooflines, the coefficients are a linear
+least-squares fit. `fit` alternates the two - assign each step's rooflines to the ceiling that
+binds under the current coefficients, refit - until the assignment stops changing (a k-plane
+regression)."""
 
 from __future__ import annotations
 
@@ -98,6 +100,10 @@ def load_calibration(path: Path) -> Calibration:
     coefficients = PerfCoefficients(
         *(c.number(key, 0, math.inf) for key in ("k_compute", "k_memory", "t_step", "t_row")),
         basis=c.text("basis") or "",
+        k_attention=c.number("k_attention", 0, math.inf, None),
+        t_logit=c.number("t_logit", 0, math.inf, 0.0),
+        t_allreduce=c.number("t_allreduce", 0, math.inf, 0.0),
+        k_link=c.number("k_link", 0, math.inf, 0.0),
     )
     if not (coefficients.k_compute or coefficients.k_memory or coefficients.t_step):
         raise c.error("k_compute, k_memory and t_step are all 0: steps would take no time")
@@ -114,21 +120,31 @@ def load_calibration(path: Path) -> Calibration:
 
 def fit(samples: list[Sample], costs: ModelCosts, machine: str = "this machine") -> Calibration:
     if len(samples) < 8:
-        raise CalibrationError(f"{len(samples)} steps are too few to fit four coefficients")
-    flops = np.array([s.shape.flops(costs) for s in samples])
-    bytes_ = np.array([s.shape.bytes(costs) for s in samples])
+        raise CalibrationError(f"{len(samples)} steps are too few to fit five coefficients")
+    gemm = np.array([s.shape.gemm_flops(costs) for s in samples])
+    weights = np.full(len(samples), float(costs.weight_bytes))
+    attention = np.array([s.shape.attention_flops(costs) for s in samples])
+    kv = np.array([s.shape.kv_bytes(costs) for s in samples])
     rows = np.array([s.shape.sampled_rows for s in samples], dtype=float)
     y = np.array([s.seconds for s in samples])
-    # Start from "the step with more work per unit of its ceiling binds": use the medians' ratio.
-    scale = np.median(y) / max(np.median(flops), 1.0), np.median(y) / max(np.median(bytes_), 1.0)
-    compute = flops * scale[0] >= bytes_ * scale[1]
+    # Start from "the side with more work per unit of its ceiling binds": the medians' ratios.
+    flops_scale = np.median(y) / max(np.median(gemm + attention), 1.0)
+    bytes_scale = np.median(y) / max(np.median(weights + kv), 1.0)
+    bound = (
+        gemm * flops_scale >= weights * bytes_scale,
+        attention * flops_scale >= kv * bytes_scale,
+    )
     for _ in range(MAX_ITERATIONS):
-        k_c, k_b, t_step, t_row = _solve(flops, bytes_, rows, y, compute)
-        new = flops * k_c >= bytes_ * k_b
-        if np.array_equal(new, compute):
+        k_c, k_b, k_a, t_step, t_row = _solve(gemm, weights, attention, kv, rows, y, bound)
+        # No step's attention was compute-bound: it keeps the GEMMs' coefficient.
+        k_a = k_a if k_a > 0 else k_c
+        new = (gemm * k_c >= weights * k_b, attention * k_a >= kv * k_b)
+        if all(np.array_equal(x, z) for x, z in zip(new, bound)):
             break
-        compute = new
-    coefficients = PerfCoefficients(k_c, k_b, t_step, t_row, basis=f"calibrated on {machine}")
+        bound = new
+    coefficients = PerfCoefficients(
+        k_c, k_b, t_step, t_row, basis=f"calibrated on {machine}", k_attention=k_a
+    )
     model = PerfModel(costs, coefficients)
     predicted = np.array([model.step_time(s.shape) for s in samples])
     error = predicted - y
@@ -138,17 +154,31 @@ def fit(samples: list[Sample], costs: ModelCosts, machine: str = "this machine")
         rmse_s=float(math.sqrt(np.mean(error**2))),
         mean_abs_error_pct=float(np.mean(np.abs(error) / y) * 100),
         total_error_pct=float((predicted.sum() - y.sum()) / y.sum() * 100),
-        compute_bound_steps=int(compute.sum()),
+        compute_bound_steps=int(bound[0].sum()),
         machine=machine,
     )
 
 
 def _solve(
-    flops: np.ndarray, bytes_: np.ndarray, rows: np.ndarray, y: np.ndarray, compute: np.ndarray
-) -> tuple[float, float, float, float]:
-    """Least squares for (k_compute, k_memory, t_step, t_row) with every coefficient >= 0: a
-    coefficient that comes out negative is fixed at 0 and the rest refitted."""
-    columns = [flops * compute, bytes_ * ~compute, np.ones_like(y), rows]
+    gemm: np.ndarray,
+    weights: np.ndarray,
+    attention: np.ndarray,
+    kv: np.ndarray,
+    rows: np.ndarray,
+    y: np.ndarray,
+    bound: tuple[np.ndarray, np.ndarray],
+) -> tuple[float, float, float, float, float]:
+    """Least squares for (k_compute, k_memory, k_attention, t_step, t_row) with every coefficient
+    >= 0, given which side of each roofline binds: a coefficient that comes out negative is fixed
+    at 0 and the rest refitted."""
+    gemm_bound, attention_bound = bound
+    columns = [
+        gemm * gemm_bound,
+        weights * ~gemm_bound + kv * ~attention_bound,
+        attention * attention_bound,
+        np.ones_like(y),
+        rows,
+    ]
     active = [bool(np.any(c)) for c in columns]
     while True:
         index = [i for i, on in enumerate(active) if on]
@@ -161,7 +191,7 @@ def _solve(
         if not negative:
             break
         active[negative[0]] = False
-    out = [0.0] * 4
+    out = [0.0] * 5
     for i, value in zip(index, solution):
         out[i] = float(value)
-    return out[0], out[1], out[2], out[3]
+    return out[0], out[1], out[2], out[3], out[4]

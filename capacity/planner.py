@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capacity.calibrate import Calibration
+from capacity.efficiency import EfficiencyTable, load_table
 from capacity.gpus import GpuSpec
 from capacity.memory import MemoryPlan, MemoryPlanError, plan_memory
 from capacity.model_specs import ModelSpec, ModelSpecError, check_tp
-from capacity.perf import Hardware, PerfCoefficients, PerfModel, StepShape, model_costs
+from capacity.perf import PerfCoefficients, PerfModel, StepShape, model_costs
 from capacity.simulate import EngineShape, Load, SimResult, simulate
 from workload.trace import TraceRecord
 
@@ -81,14 +82,18 @@ def api_cost(trace: list[TraceRecord], settings: PlanSettings) -> float | None:
     return (tokens_in * settings.api_price_in + tokens_out * settings.api_price_out) / 1e6
 
 
-def coefficients_for(gpu: GpuSpec, dtype: str, calibration: Calibration | None) -> PerfCoefficients:
-    """The calibration when it was made on this GPU, else the datasheet with default
-    efficiencies."""
+def coefficients_for(
+    gpu: GpuSpec,
+    dtype: str,
+    calibration: Calibration | None,
+    tp: int = 1,
+    table: EfficiencyTable | None = None,
+) -> PerfCoefficients:
+    """The calibration when it was made on this GPU, else the datasheet with the efficiency
+    table (fitted on published results)."""
     if calibration is not None and _same_gpu(calibration.machine, gpu):
         return calibration.coefficients
-    tflops = gpu.fp8_tflops if dtype == "fp8" and gpu.fp8_tflops else gpu.bf16_tflops
-    hardware = Hardware(gpu.name, tflops * 1e12, gpu.bandwidth_gbps * 1e9, "datasheet")
-    return PerfCoefficients.from_datasheet(hardware)
+    return (table or load_table()).coefficients(gpu, dtype, tp)
 
 
 def _same_gpu(machine: str, gpu: GpuSpec) -> bool:
@@ -131,9 +136,10 @@ def plan_gpu(
     except (MemoryPlanError, ModelSpecError) as exc:
         result.error = str(exc)
         return result
-    coefficients = coefficients_for(gpu, settings.dtype, calibration)
+    coefficients = coefficients_for(gpu, settings.dtype, calibration, tp)
     result.basis = coefficients.basis
-    step_time = _step_time(spec, gpu, tp, settings.dtype, coefficients)
+    kv_dtype = getattr(settings, "kv_cache_dtype", None)  # the planner's --kv-cache-dtype
+    step_time = _step_time(spec, tp, settings.dtype, kv_dtype, coefficients)
     engine = EngineShape(
         num_blocks=result.memory.num_blocks,
         block_size=settings.block_size,
@@ -151,20 +157,9 @@ def plan_gpu(
 
 
 def _step_time(
-    spec: ModelSpec, gpu: GpuSpec, tp: int, dtype: str, coefficients: PerfCoefficients
+    spec: ModelSpec, tp: int, dtype: str, kv_dtype: str | None, coefficients: PerfCoefficients
 ) -> StepTime:
-    model = PerfModel(model_costs(spec, dtype, tp=tp), coefficients)
-    if tp == 1 or not gpu.interconnect_gbps:
-        return model.step_time
-    # Tensor parallelism adds two all-reduces of the hidden states per layer; a ring moves
-    # 2 (tp - 1) / tp of the data over the GPU-to-GPU link.
-    per_token = 2 * spec.num_layers * spec.hidden_size * 2 * 2 * (tp - 1) / tp
-    link = gpu.interconnect_gbps * 1e9
-
-    def with_allreduce(shape: StepShape) -> float:
-        return model.step_time(shape) + per_token * shape.num_batched_tokens / link
-
-    return with_allreduce
+    return PerfModel(model_costs(spec, dtype, kv_dtype, tp), coefficients).step_time
 
 
 def _replicas(

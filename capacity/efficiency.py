@@ -1,0 +1,188 @@
+"""Coefficients for GPUs nobody here measured: the datasheet's peaks times efficiencies.
+
+A datasheet peak is never reached: dense GEMMs run at some fraction of the tensor-core rate (less
+in fp8 than in bf16 on Hopper, more on a large-L2 Ampere part), attention kernels at a lower one,
+decode reads at a fraction of the HBM/GDDR bandwidth, and every step pays host and launch
+overheads that CUDA graphs shrink but do not remove. The fractions differ by GPU generation, so
+they are a table per generation (Ada, Ampere, Hopper) plus terms the generations share: the
+per-row host cost, the sampler's cost per logit, all-reduce latency per link type and the share of
+the link bandwidth a ring all-reduce reaches.
+
+The table the planner uses (`capacity/data/efficiency.json`) is fitted on published results
+(`published.py`, `nightshift capacity validate --published --fit`), on a training part of the
+cases only; the error on the rest is reported apart. Without the file the defaults below apply,
+and the report says so."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from capacity.gpus import GpuSpec
+from capacity.perf import PerfCoefficients
+from workload.input_file import Fields, read_json
+
+TABLE_PATH = Path(__file__).parent / "data" / "efficiency.json"
+
+# Which generation each catalogue GPU belongs to (a GPU of a user file: "other", the defaults).
+GENERATION = {
+    "RTX 4090": "ada",
+    "L4": "ada",
+    "L40S": "ada",
+    "A10G": "ampere",
+    "A100-40GB": "ampere",
+    "A100-80GB": "ampere",
+    "H100-SXM": "hopper",
+    "H200": "hopper",
+}
+GENERATIONS = ("ada", "ampere", "hopper")
+NVLINK_PREFIX = "nvlink"
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """One generation's fractions of its datasheet peaks, and its per-step overhead."""
+
+    gemm: float  # dense GEMMs, of the 16-bit tensor peak
+    memory: float  # of the datasheet memory bandwidth
+    t_step: float  # s per step outside the kernels, with CUDA graphs
+
+
+@dataclass(frozen=True, slots=True)
+class EfficiencyTable:
+    generations: dict[str, Efficiency]
+    default: Efficiency  # a GPU of no known generation
+    fp8_gemm: float  # fp8 GEMMs reach this fraction of the fp8 peak relative to gemm's of 16-bit
+    attention: float  # attention kernels' efficiency relative to the GEMMs'
+    t_row: float  # s per sampled row on the host (detokenization, streaming)
+    t_logit: float  # s per sampled row and vocabulary entry (sampler over float32 logits)
+    allreduce_nvlink_s: float  # latency of one small all-reduce over NVLink
+    allreduce_pcie_s: float  # ... over PCIe
+    link: float  # fraction of the one-way link bandwidth a ring all-reduce reaches
+    basis: str = "default efficiencies"
+    fitted_on: list[str] = field(default_factory=list)  # published case ids
+
+    def of(self, gpu: GpuSpec) -> Efficiency:
+        return self.generations.get(GENERATION.get(gpu.name, ""), self.default)
+
+    def coefficients(self, gpu: GpuSpec, dtype: str, tp: int = 1) -> PerfCoefficients:
+        """The step-time coefficients of one GPU of a tp group serving weights of `dtype`.
+        fp8 and int8 weights use the fp8/int8 tensor cores where the GPU has them; int4 and fp8
+        on older GPUs are weight-only (dequantized to 16-bit for the GEMM)."""
+        eff = self.of(gpu)
+        low_precision = dtype in ("fp8", "int8") and gpu.fp8_tflops
+        peak = (gpu.fp8_tflops if low_precision else gpu.bf16_tflops) * 1e12
+        gemm = eff.gemm * (self.fp8_gemm if low_precision else 1.0)
+        nvlink = gpu.interconnect.lower().replace(" ", "").startswith(NVLINK_PREFIX)
+        one_way = (gpu.interconnect_gbps or 0) * 1e9 / 2  # catalogue: both directions
+        return PerfCoefficients(
+            k_compute=1.0 / (gemm * peak),
+            k_memory=1.0 / (eff.memory * gpu.bandwidth_gbps * 1e9),
+            t_step=eff.t_step,
+            t_row=self.t_row,
+            basis=f"datasheet estimate ({gpu.name}, {self.basis})",
+            # Attention runs in 16-bit whatever the weights are.
+            k_attention=1.0 / (eff.gemm * self.attention * gpu.bf16_tflops * 1e12),
+            t_logit=self.t_logit,
+            t_allreduce=(self.allreduce_nvlink_s if nvlink else self.allreduce_pcie_s)
+            if tp > 1
+            else 0.0,
+            k_link=1.0 / (self.link * one_way) if tp > 1 and one_way else 0.0,
+        )
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# Before any fit: fractions well-tuned engines are commonly said to reach (dense GEMMs at 60% of
+# the 16-bit peak, decode at 75% of the bandwidth), 4 ms of host overhead per step, fp8 at the
+# same fraction as 16-bit, attention at the GEMMs' efficiency, no sampler or all-reduce latency
+# terms, and the ring at full link bandwidth. These were the planner's only numbers before the
+# published fit; they are kept as the fallback and as the fit's starting point.
+DEFAULTS = EfficiencyTable(
+    generations={},
+    default=Efficiency(gemm=0.6, memory=0.75, t_step=0.004),
+    fp8_gemm=1.0,
+    attention=1.0,
+    t_row=0.0,
+    t_logit=0.0,
+    allreduce_nvlink_s=0.0,
+    allreduce_pcie_s=0.0,
+    link=1.0,
+)
+
+_BOUNDS = {"gemm": (0.01, 1.0), "memory": (0.01, 1.0), "t_step": (0.0, 1.0)}
+_SHARED_BOUNDS = {
+    "fp8_gemm": (0.01, 2.0),
+    "attention": (0.01, 2.0),
+    "t_row": (0.0, 1.0),
+    "t_logit": (0.0, 1e-3),
+    "allreduce_nvlink_s": (0.0, 1.0),
+    "allreduce_pcie_s": (0.0, 1.0),
+    "link": (0.01, 1.0),
+}
+
+
+def load_table(path: Path | None = None) -> EfficiencyTable:
+    """The fitted table (default: the committed one), every field checked; DEFAULTS when the
+    default file does not exist."""
+    if path is None:
+        if not TABLE_PATH.exists():
+            return DEFAULTS
+        path = TABLE_PATH
+    data = Fields.of(read_json(path), path)
+
+    def efficiency(f: Fields) -> Efficiency:
+        return Efficiency(**{k: f.number(k, *_BOUNDS[k]) for k in _BOUNDS})
+
+    gens = data.mapping("generations")
+    generations = {name: efficiency(gens.mapping(name)) for name in gens.data}
+    shared = {k: data.number(k, *bounds) for k, bounds in _SHARED_BOUNDS.items()}
+    return EfficiencyTable(
+        generations=generations,
+        default=efficiency(data.mapping("default")),
+        basis=data.text("basis") or "",
+        fitted_on=[str(x) for x in data.data.get("fitted_on", [])],
+        **shared,
+    )
+
+
+def save_table(table: EfficiencyTable, path: Path) -> None:
+    path.write_text(json.dumps(table.to_json(), indent=1) + "\n")
+
+
+# --- the fit's view: a table as a vector of free parameters --------------------------------
+
+
+def parameter_names(generations: tuple[str, ...] = GENERATIONS) -> list[str]:
+    names = [f"{g}.{k}" for g in generations for k in ("gemm", "memory", "t_step")]
+    return names + list(_SHARED_BOUNDS)
+
+
+def bounds_of(name: str) -> tuple[float, float]:
+    key = name.split(".")[-1]
+    return _BOUNDS[key] if "." in name else _SHARED_BOUNDS[key]
+
+
+def get(table: EfficiencyTable, name: str) -> float:
+    if "." in name:
+        gen, key = name.split(".")
+        return getattr(table.generations.get(gen, table.default), key)
+    return getattr(table, name)
+
+
+def with_values(table: EfficiencyTable, values: dict[str, float]) -> EfficiencyTable:
+    generations = dict(table.generations)
+    shared = {}
+    for name, value in values.items():
+        if not math.isfinite(value):
+            raise ValueError(f"{name} = {value}")
+        if "." in name:
+            gen, key = name.split(".")
+            generations[gen] = replace(generations.get(gen, table.default), **{key: value})
+        else:
+            shared[name] = value
+    return replace(table, generations=generations, **shared)
+
