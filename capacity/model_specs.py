@@ -87,6 +87,34 @@ CATALOGUE: tuple[ModelSpec, ...] = (
         "Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936, False, 40960, qk_norm=True,
         source=_hub("Qwen/Qwen3-8B"),
     ),
+    # Llama 3 and 3.3 have the shapes of 3.1 (Llama 3: 8192 positions, before 3.1's RoPE scaling).
+    ModelSpec(
+        "Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, False, 8192,
+        source=_hub("meta-llama/Meta-Llama-3-8B"),
+    ),
+    ModelSpec(
+        "Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256, False, 8192,
+        source=_hub("meta-llama/Meta-Llama-3-70B"),
+    ),
+    ModelSpec(
+        "Llama-3.3-70B", 80, 8192, 64, 8, 128, 28672, 128256, False, 131072,
+        source=_hub("meta-llama/Llama-3.3-70B-Instruct"),
+    ),
+    # 6,738,415,616. Multi-head attention (32 KV heads), 4096 positions.
+    ModelSpec(
+        "Llama-2-7B", 32, 4096, 32, 32, 128, 11008, 32000, False, 4096,
+        source=_hub("meta-llama/Llama-2-7b-hf"),
+    ),
+    # 14,768,307,200 (model card: 14.8B).
+    ModelSpec(
+        "Qwen3-14B", 40, 5120, 40, 8, 128, 17408, 151936, False, 40960, qk_norm=True,
+        source=_hub("Qwen/Qwen3-14B"),
+    ),
+    # 32,762,123,264 (model card: 32.8B). 64 query heads of 128: q is wider than hidden 5120.
+    ModelSpec(
+        "Qwen3-32B", 64, 5120, 64, 8, 128, 25600, 151936, False, 40960, qk_norm=True,
+        source=_hub("Qwen/Qwen3-32B"),
+    ),
     # 7,248,023,552. v0.3 extends the vocabulary of v0.1/v0.2 from 32000 to 32768.
     ModelSpec(
         "Mistral-7B-v0.3", 32, 4096, 32, 8, 128, 14336, 32768, False, 32768,
@@ -129,10 +157,14 @@ def find_model(name: str) -> ModelSpec:
 
 
 def _normalize(name: str) -> str:
-    # Hub ids and chat variants name the same shapes: "meta-llama/Meta-Llama-3.1-8B-Instruct".
+    # Hub ids, chat variants and quantized checkpoints name the same shapes:
+    # "meta-llama/Meta-Llama-3.1-8B-Instruct", "Qwen2.5-7B-Instruct-AWQ", "Llama-2-7b-chat-hf",
+    # "Mistral-7B-Instruct-v0.3", "Qwen3-14B-FP8".
     key = name.rsplit("/", 1)[-1].lower()
     key = re.sub(r"^meta-", "", key)
-    return re.sub(r"-instruct$", "", key)
+    key = re.sub(r"-(awq|gptq(-int[48])?|fp8(-dynamic)?|int[48]|w8a8|w4a16|hf)$", "", key)
+    key = re.sub(r"-(instruct|chat)(?=$|-v)", "", key)
+    return key
 
 
 def _read_config(path: Path) -> ModelSpec:
