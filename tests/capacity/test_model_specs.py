@@ -28,7 +28,27 @@ EXPECTED_PARAMS = {
     "Qwen3-8B": (8_190_735_360, 8.2e9),
     "Mistral-7B-v0.3": (7_248_023_552, 7.25e9),
     "SmolLM2-135M-Instruct": (134_515_008, 134.5e6),
+    "Llama-3-8B": (8_030_261_248, 8.03e9),
+    "Llama-3-70B": (70_553_706_496, 70.6e9),
+    "Llama-3.3-70B": (70_553_706_496, 70.6e9),
+    "Llama-2-7B": (6_738_415_616, 6.74e9),  # the model card's "7B"; the checkpoint holds 6.74B
+    "Qwen3-14B": (14_768_307_200, 14.8e9),
+    "Qwen3-32B": (32_762_123_264, 32.8e9),
 }
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("Qwen2.5-7B-Instruct-AWQ", "Qwen2.5-7B"),
+        ("meta-llama/Llama-2-7b-chat-hf", "Llama-2-7B"),
+        ("mistralai/Mistral-7B-Instruct-v0.3", "Mistral-7B-v0.3"),
+        ("Qwen/Qwen3-14B-FP8", "Qwen3-14B"),
+        ("meta-llama/Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B"),
+    ],
+)
+def test_checkpoint_names_resolve_to_their_shapes(name, expected):
+    assert find_model(name).name == expected
 
 
 @pytest.mark.parametrize("name", EXPECTED_PARAMS)
