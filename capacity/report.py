@@ -154,6 +154,8 @@ def report_json(report: Report) -> dict:
         "requests": requests,
         "input_tokens": sum(r.input_length for r in report.trace),
         "output_tokens": sum(r.output_length for r in report.trace),
+        # tokens per hash_ids block of the trace (the prompts' sharing), not the KV block size
+        "hash_block_size": report.trace[0].hash_block_size if report.trace else None,
         "settings": {
             **{k: v for k, v in _fields(report.settings).items() if k != "load"},
             "load": dataclasses.asdict(report.settings.load),

@@ -19,7 +19,7 @@ from engine.kv.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from workload.trace import BLOCK_TOKENS, TraceRecord
+from workload.trace import TraceRecord
 
 _TOKEN = 1  # what the simulated runner "samples"; no stop ids and ignore_eos, so never a stop
 
@@ -122,14 +122,17 @@ class SimResult:
 
 
 def prompt_token_ids(record: TraceRecord, vocab: int = 32000, *, owner: int) -> list[int]:
-    """Token ids for a trace record: block i of the prompt is a fixed function of hash_ids[i], so
-    records sharing leading hash_ids share a token prefix (and its KV blocks). Tokens past the
-    record's hash_ids, all of them for a record without any (unknown sharing), are its own: a
-    function of `owner` (the record's index), so they share nothing with any other record."""
+    """Token ids for a trace record: block i of the prompt (the record's hash block size in
+    tokens: its block_size, else Mooncake's 512; not the engine's KV block size) is a fixed
+    function of hash_ids[i], so records sharing leading hash_ids share a token prefix (and its KV
+    blocks). Tokens past the record's hash_ids, all of them for a record without any (unknown
+    sharing), are its own: a function of `owner` (the record's index), so they share nothing with
+    any other record."""
     tokens: list[int] = []
     own = _mix(_OWN_SALT, owner)
+    size = record.hash_block_size
     for position in range(record.input_length):
-        block, offset = divmod(position, BLOCK_TOKENS)
+        block, offset = divmod(position, size)
         if block < len(record.hash_ids):
             value = _mix(_mix(_SHARED_SALT, record.hash_ids[block]), offset)
         else:

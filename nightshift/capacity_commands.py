@@ -116,6 +116,17 @@ def _fits(max_len: int, what: str) -> RecordCheck:
     return check
 
 
+def _with_blocks(check: RecordCheck) -> RecordCheck:
+    """`check`, and hash_ids that fit the record's block size (the trace's or --block-size): a
+    trace written with smaller blocks, read at 512, would share far more than it says."""
+    from workload.trace import block_size_problem
+
+    def both(record: TraceRecord) -> str | None:
+        return check(record) or block_size_problem(record)
+
+    return both
+
+
 def _machine_name() -> str:
     import os
 
@@ -152,6 +163,13 @@ def report(
             help="The engine's max_model_len (default: the longest request, rounded up).", min=1
         ),
     ] = None,
+    block_size: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per hash_ids block of the trace, overriding its records' block_size "
+            "(default: theirs, 512 where absent). Not the engine's KV block size (16)."
+        ),
+    ] = None,
     mode: Annotated[
         str,
         typer.Option(
@@ -174,9 +192,11 @@ def report(
     from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
     from capacity.report import build_report, render, report_json
     from workload.synth import SynthError, synth_trace
-    from workload.trace import read_trace
+    from workload.trace import block_size_option_problem, read_trace
 
     _outputs({"-o": out, **({"--json": json_out} if json_out else {})})
+    if problem := block_size_option_problem(block_size):
+        raise fail(problem)
     settings = replace(
         _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
         deadline_s=_seconds(deadline) if deadline else None,
@@ -192,7 +212,7 @@ def report(
         catalogue = load_gpus(gpu_file)
         chosen = [find_gpu(name.strip(), catalogue) for name in gpus.split(",") if name.strip()]
         cal = load_calibration(calibration) if calibration else None
-        source = read_trace(path, fits)
+        source = read_trace(path, _with_blocks(fits), block_size)
         note = f"trace {trace}" if trace else f"the bundled digest sample ({DEFAULT_TRACE.name})"
         if papers is not None:
             source, how = synth_trace(source, papers, seed=seed)

@@ -97,8 +97,12 @@ def replay_command(
     ] = None,
     seed: Annotated[int, typer.Option(help="Prompt tokens and poisson arrivals.")] = 0,
     block_size: Annotated[
-        int, typer.Option(help="Tokens per hash_id block, as the trace was written.")
-    ] = 512,
+        int | None,
+        typer.Option(
+            help="Tokens per hash_id block, overriding the trace's block_size (default: the "
+            "trace's; 512 where it has none)."
+        ),
+    ] = None,
     plots: Annotated[Path | None, typer.Option(help="Write PNG plots into this folder.")] = None,
     max_input_length: Annotated[
         int, typer.Option(help="Refuse a trace with a longer prompt (before sending anything).")
@@ -108,14 +112,14 @@ def replay_command(
     from workload.metrics import parse_slo
     from workload.output_file import BadOutputPath, check_file, check_folder
     from workload.replay import ReplayConfig, replay
-    from workload.trace import read_trace
+    from workload.trace import block_size_option_problem, read_trace
 
     with user_errors(BadOutputPath):  # before a request is sent, not after the replay
         check_file(output, "-o")
         if plots is not None:
             check_folder(plots, "--plots")
-    if block_size < 1:
-        raise fail("--block-size must be at least 1")
+    if problem := block_size_option_problem(block_size):
+        raise fail(problem)
     if max_input_length < 1:
         raise fail("--max-input-length must be at least 1")
     try:
@@ -123,7 +127,7 @@ def replay_command(
     except ValueError as exc:
         raise fail(str(exc)) from None
     with user_errors():
-        records = read_trace(trace, _record_check(block_size, max_input_length))
+        records = read_trace(trace, _record_check(max_input_length), block_size)
     if not records:
         raise fail(f"{trace}: no records")
     api_key = None
@@ -149,7 +153,7 @@ def replay_command(
     )
     try:
         config.check()
-        prompt_fn = _prompt_fn(prompt_mode.value, tokenizer, seed, block_size)
+        prompt_fn = _prompt_fn(prompt_mode.value, tokenizer, seed)
     except ValueError as exc:
         raise fail(str(exc)) from None
     total = min(len(records), max_requests) if max_requests is not None else len(records)
@@ -157,7 +161,7 @@ def replay_command(
         "trace": str(trace),
         "prompt_mode": prompt_mode.value,
         "tokenizer": str(tokenizer) if tokenizer else None,
-        "block_size": block_size,
+        "block_size": records[0].hash_block_size,  # the trace's, or --block-size
         "max_input_length": max_input_length,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -178,10 +182,11 @@ def replay_command(
         raise typer.Exit(1)
 
 
-def _record_check(block_size: int, max_input_length: int) -> RecordCheck:
-    """What a record must satisfy to be replayed, checked as the trace is read: nothing is sent
-    and no prompt is built for a trace with a bad record."""
-    from workload.prompt_tokens import block_size_problem
+def _record_check(max_input_length: int) -> RecordCheck:
+    """What a record must satisfy to be replayed, checked as the trace is read (its block size
+    already the trace's or --block-size): nothing is sent and no prompt is built for a trace with
+    a bad record."""
+    from workload.trace import block_size_problem
 
     def check(record: TraceRecord) -> str | None:
         if record.input_length > max_input_length:
@@ -189,20 +194,21 @@ def _record_check(block_size: int, max_input_length: int) -> RecordCheck:
                 f"input_length {record.input_length} is longer than --max-input-length "
                 f"{max_input_length}"
             )
-        return block_size_problem(record, block_size)
+        return block_size_problem(record)
 
     return check
 
 
-def _prompt_fn(prompt_mode: str, tokenizer: Path | None, seed: int, block: int) -> PromptFn:
+def _prompt_fn(prompt_mode: str, tokenizer: Path | None, seed: int) -> PromptFn:
+    """Prompts whose hash_id blocks have each record's block size."""
     from workload.prompt_tokens import DEFAULT_VOCAB, TextPrompts, TokenPrompts, load_tokenizer
 
     if prompt_mode == "text":
         if tokenizer is None:
             raise ValueError("--prompt-mode text needs --tokenizer PATH (the server's tokenizer)")
-        return TextPrompts(load_tokenizer(tokenizer), seed, block_tokens=block).prompt
+        return TextPrompts(load_tokenizer(tokenizer), seed).prompt
     vocab = load_tokenizer(tokenizer).vocab_size if tokenizer is not None else DEFAULT_VOCAB
-    return TokenPrompts(vocab, seed, block_tokens=block).prompt
+    return TokenPrompts(vocab, seed).prompt
 
 
 class _Progress:

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
     from workload.trace import RecordCheck
 
 OutOpt = Annotated[Path, typer.Option("--output", "-o", help="The trace to write (JSONL).")]
-BlockOpt = Annotated[int, typer.Option(help="Tokens per hash_ids block (Mooncake's is 512).")]
+BlockOpt = Annotated[
+    int,
+    typer.Option(help="Tokens per hash_ids block, written into each record (Mooncake's is 512)."),
+]
 
 
 def _since(value: str | None) -> date | None:
@@ -64,11 +67,18 @@ def _write(path: Path, records: list) -> int:
         raise fail(f"nothing written to {path}: {exc}") from None
 
 
-def _read(path: Path, check: RecordCheck | None = None) -> list:
+def _block_size(value: int | None) -> None:
+    from workload.trace import block_size_option_problem
+
+    if problem := block_size_option_problem(value):
+        raise fail(problem)
+
+
+def _read(path: Path, check: RecordCheck | None = None, block_size: int | None = None) -> list:
     from workload.trace import read_trace
 
     with user_errors():
-        records = read_trace(path, check)
+        records = read_trace(path, check, block_size)
     if not records:
         raise fail(f"{path}: the trace has no requests")
     return records
@@ -93,8 +103,7 @@ def export(
 
     _outputs({"-o": output})
     day, run_ids = _since(since), _runs(runs)
-    if block_size < 1:
-        raise fail("--block-size must be at least 1")
+    _block_size(block_size)
     try:
         calls = load_calls(db or default_database_url(), day, run_ids)
     except ExportError as exc:
@@ -115,7 +124,9 @@ def import_(
     ] = "auto",
     block_size: Annotated[
         int | None,
-        typer.Option(help="Tokens per block for fresh hash_ids (default 512; Mooncake keeps its)."),
+        typer.Option(
+            help="Tokens per block for fresh hash_ids (default 512); a JSONL trace keeps its own."
+        ),
     ] = None,
 ) -> None:
     """Convert a public trace into ours."""
@@ -124,8 +135,7 @@ def import_(
     _outputs({"-o": output})
     if fmt not in ("auto", *FORMATS):
         raise fail(f"unknown format {fmt!r}; use auto, {', '.join(FORMATS)}")
-    if block_size is not None and block_size < 1:
-        raise fail("--block-size must be at least 1")
+    _block_size(block_size)
     with user_errors():
         records = import_trace(file, fmt, block_size)
     count = _write(output, records)
@@ -173,15 +183,17 @@ def synth(
     rate: Annotated[
         float | None, typer.Option(help="Papers per second (Poisson); default: all at 0.")
     ] = None,
-    block_size: Annotated[int, typer.Option(help="The source's block size.")] = 512,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="The source's block size, overriding its records' (default: theirs)."),
+    ] = None,
 ) -> None:
     """A trace of N papers drawn from a recorded one ("what if the column doubles")."""
     from workload.synth import SynthError, block_size_problem, synth_trace
 
     _outputs({"-o": output})
-    if block_size < 1:
-        raise fail("--block-size must be at least 1")
-    source = _read(like, lambda record: block_size_problem(record, block_size))
+    _block_size(block_size)
+    source = _read(like, block_size_problem, block_size)
     try:
         records, note = synth_trace(source, papers, seed, rate, block_size)
     except SynthError as exc:

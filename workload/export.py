@@ -15,9 +15,10 @@ measured from the data itself:
   difference, which errs short when the shorter task is no longer than the difference (true of the
   summary and review tasks). At most min(L) - 1 and at least S.
 
-A block (block_size tokens, the last one partial) that lies entirely inside the system prefix gets
-the model's shared id for its position; entirely inside the paper prefix, the paper's shared id;
-otherwise a fresh id. Ids come from one counter in order of first use, as in Mooncake traces."""
+Each record carries its block_size. A block (block_size tokens, the last one partial) that lies
+entirely inside the system prefix gets the model's shared id for its position; entirely inside the
+paper prefix, the paper's shared id; otherwise a fresh id. Ids come from one counter in order of
+first use, as in Mooncake traces."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from sqlalchemy.orm import Session
 from digest.prompts import SYSTEM
 from digest.store.database import StoreError, open_database
 from digest.store.schema import ModelCallRow
-from workload.trace import BLOCK_TOKENS, TraceRecord
+from workload.trace import BLOCK_TOKENS, TraceRecord, block_size_option_problem
 
 CHARS_PER_TOKEN_FLOOR = 5  # for the system-prefix estimate; see the module docstring
 
@@ -200,8 +201,8 @@ def prompt_blocks(
 
 def export_trace(calls: list[Call], block_size: int = BLOCK_TOKENS) -> list[TraceRecord]:
     """Calls (oldest first) as trace records; see the module docstring for `hash_ids`."""
-    if block_size < 1:
-        raise ExportError("--block-size must be at least 1")
+    if problem := block_size_option_problem(block_size):
+        raise ExportError(problem)
     if not calls:
         return []
     papers = paper_prefixes(calls)
@@ -227,6 +228,7 @@ def export_trace(calls: list[Call], block_size: int = BLOCK_TOKENS) -> list[Trac
                 cached_tokens=call.cached_tokens,
                 model=call.model,
                 source="digest",
+                block_size=block_size,
             )
         )
     return records

@@ -3,12 +3,14 @@
 - azure: the Azure LLM inference trace CSV, `TIMESTAMP,ContextTokens,GeneratedTokens`, wall-clock
   timestamps with 100 ns digits (`2023-11-16 18:15:46.6805900`) -> ms from the earliest.
 - mooncake: JSONL with `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (512-token
-  blocks), already our format: kept as they are.
+  blocks), already our format: kept as they are, with their block size written out (a record
+  without `block_size` has Mooncake's 512; a trace of ours carries its own).
 - lengths: a CSV of token lengths only, such as Vidur's `num_prefill_tokens,num_decode_tokens`:
   no times, so every request arrives at 0 (a batch).
 
 Azure and length-only traces say nothing about shared prefixes: each request gets fresh block ids
-(no reuse). Records come out ordered by timestamp (stable)."""
+(no reuse) of `block_size` tokens (default 512), which every record carries. Records come out
+ordered by timestamp (stable)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,13 @@ from datetime import datetime
 from pathlib import Path
 
 from workload.input_file import BadInputFile, text_lines
-from workload.trace import BLOCK_TOKENS, MAX_TOKENS, TraceRecord, read_trace
+from workload.trace import (
+    BLOCK_TOKENS,
+    MAX_TOKENS,
+    TraceRecord,
+    block_size_option_problem,
+    read_trace,
+)
 
 FORMATS = ("azure", "mooncake", "lengths")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -51,14 +59,14 @@ def detect_format(path: Path) -> str:
 
 def import_trace(path: Path, fmt: str = "auto", block_size: int | None = None) -> list[TraceRecord]:
     """The file's requests as trace records; BadInputFile names the file, line and column, a
-    ValueError an unknown format."""
+    ValueError an unknown format or a block size out of bounds."""
     path = Path(path)
     if fmt == "auto":
         fmt = detect_format(path)
+    if problem := block_size_option_problem(block_size):
+        raise ValueError(problem)
     if fmt == "mooncake":
-        if block_size not in (None, MOONCAKE_BLOCK_TOKENS):
-            raise BadInputFile(path, "Mooncake hash_ids are 512-token blocks; drop --block-size")
-        records = _mooncake(path)
+        records = _mooncake(path, block_size)
     elif fmt == "azure":
         records = _azure(path, block_size or BLOCK_TOKENS)
     elif fmt == "lengths":
@@ -161,7 +169,16 @@ def _azure(path: Path, block_size: int) -> list[TraceRecord]:
     for ns, context, generated in parsed:
         blocks = _fresh_blocks(next_id, context, block_size)
         next_id += len(blocks)
-        records.append(TraceRecord((ns - origin) / 1e6, context, generated, blocks, source="azure"))
+        records.append(
+            TraceRecord(
+                (ns - origin) / 1e6,
+                context,
+                generated,
+                blocks,
+                source="azure",
+                block_size=block_size,
+            )
+        )
     return records
 
 
@@ -181,12 +198,24 @@ def _lengths(path: Path, block_size: int) -> list[TraceRecord]:
         output = _count(row, outputs, path, line)
         blocks = _fresh_blocks(next_id, prompt, block_size)
         next_id += len(blocks)
-        records.append(TraceRecord(0.0, prompt, output, blocks, source="lengths"))
+        records.append(
+            TraceRecord(0.0, prompt, output, blocks, source="lengths", block_size=block_size)
+        )
     return records
 
 
-def _mooncake(path: Path) -> list[TraceRecord]:
+def _mooncake(path: Path, block_size: int | None) -> list[TraceRecord]:
+    """The records as they are, each with its block size written out. --block-size must agree
+    with the trace's: another value would change which tokens its hash_ids share, which the file
+    says (Mooncake's are 512-token blocks)."""
     records = read_trace(path)
     for record in records:
         record.source = record.source or "mooncake"
+        record.block_size = record.hash_block_size
+    own = records[0].block_size if records else None
+    if block_size is not None and own is not None and block_size != own:
+        what = "Mooncake hash_ids are" if own == MOONCAKE_BLOCK_TOKENS else "its hash_ids are"
+        raise BadInputFile(
+            path, f"{what} {own}-token blocks (block_size); drop --block-size {block_size}"
+        )
     return records

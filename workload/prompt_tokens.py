@@ -1,11 +1,12 @@
 """Prompts of exactly a trace record's input length, sharing prefixes as its hash_ids say.
 
-Each hash_id names a block of `block_tokens` tokens (BLOCK_TOKENS = 512 unless the trace was
-written with another block size). The tokens of block h are a deterministic
-function of (seed, h), so two records with equal hash_ids at equal positions get equal token
-prefixes, and a server with a prefix cache hits them as the traced server did. Blocks past the
-end of a record's hash_ids belong to that record alone. Changing the seed changes every block,
-which keeps a second replay against the same server from hitting the first one's cache.
+Each hash_id names a block of the record's block size in tokens (`TraceRecord.hash_block_size`: its
+`block_size` field, else Mooncake's 512; a command's --block-size replaces it as the trace is read,
+or `block_tokens` here). The tokens of block h are a deterministic function of (seed, h), so two
+records with equal hash_ids at equal positions get equal token prefixes, and a server with a prefix
+cache hits them as the traced server did. Blocks past the end of a record's hash_ids belong to that
+record alone. Changing the seed changes every block, which keeps a second replay against the same
+server from hitting the first one's cache.
 
 - TokenPrompts: token-id prompts (for /v1/completions, which takes a list of ids). Ids are drawn
   from [LOW_ID, vocab) so that they avoid the low ids where tokenizers keep special tokens.
@@ -17,7 +18,6 @@ which keeps a second replay against the same server from hitting the first one's
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 from collections.abc import Sequence
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from workload.trace import BLOCK_TOKENS, TraceRecord
+from workload.trace import TraceRecord, block_size_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -59,54 +59,46 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
         raise ValueError(f"cannot load a tokenizer from {path}: {problem}") from None
 
 
-def block_size_problem(r: TraceRecord, block_tokens: int) -> str | None:
-    """A record with more hash_ids than ceil(input_length / block_tokens) was written with a
-    smaller block size: replaying it at this one would share far more than it says."""
-    if len(r.hash_ids) > math.ceil(r.input_length / block_tokens):
-        return (
-            f"{len(r.hash_ids)} hash_ids for {r.input_length} tokens do not fit "
-            f"{block_tokens}-token blocks; pass the trace's --block-size"
-        )
-    return None
-
-
-def check_block_size(records: Sequence[TraceRecord], block_tokens: int) -> None:
+def check_block_size(records: Sequence[TraceRecord], block_tokens: int | None = None) -> None:
+    """Every record's hash_ids fit its block size (or block_tokens); ValueError otherwise."""
     for i, r in enumerate(records):
         if problem := block_size_problem(r, block_tokens):
             raise ValueError(f"record {i}: {problem}")
 
 
 class _Blocks:
-    """Deterministic blocks of BLOCK_TOKENS draws from [0, n) per hash_id, cached."""
+    """Deterministic blocks of draws from [0, n) per hash_id, cached; a block has the record's
+    block size (or `block_tokens` when given), so equal hash_ids in one trace are equal tokens."""
 
-    def __init__(self, n: int, seed: int, block_tokens: int = BLOCK_TOKENS) -> None:
+    def __init__(self, n: int, seed: int, block_tokens: int | None = None) -> None:
         self.n, self.seed, self.block_tokens = n, seed, block_tokens
-        self._cache: dict[int, np.ndarray] = {}
+        self._cache: dict[tuple[int, int], np.ndarray] = {}
 
-    def shared(self, h: int) -> np.ndarray:
-        block = self._cache.get(h)
+    def shared(self, h: int, size: int) -> np.ndarray:
+        block = self._cache.get((h, size))
         if block is None:
-            block = self._draw(0, _key(h))
-            self._cache[h] = block
+            block = self._draw(size, 0, _key(h))
+            self._cache[(h, size)] = block
         return block
 
-    def own(self, index: int, position: int) -> np.ndarray:
-        return self._draw(_OWN, index, position)
+    def own(self, index: int, position: int, size: int) -> np.ndarray:
+        return self._draw(size, _OWN, index, position)
 
-    def _draw(self, *key: int) -> np.ndarray:
+    def _draw(self, size: int, *key: int) -> np.ndarray:
         rng = np.random.default_rng([_key(self.seed), *key])
-        return rng.integers(0, self.n, self.block_tokens, dtype=np.int64)
+        return rng.integers(0, self.n, size, dtype=np.int64)
 
     def sequence(self, record: TraceRecord, index: int, length: int) -> np.ndarray:
         """`length` draws: the record's hash_id blocks, then blocks of its own."""
+        size = self.block_tokens or record.hash_block_size
         parts: list[np.ndarray] = []
         have = 0
         position = 0
         while have < length:
             if position < len(record.hash_ids):
-                block = self.shared(record.hash_ids[position])
+                block = self.shared(record.hash_ids[position], size)
             else:
-                block = self.own(index, position)
+                block = self.own(index, position, size)
             parts.append(block[: length - have])
             have += len(parts[-1])
             position += 1
@@ -121,7 +113,7 @@ class TokenPrompts:
         vocab_size: int = DEFAULT_VOCAB,
         seed: int = 0,
         low: int = LOW_ID,
-        block_tokens: int = BLOCK_TOKENS,
+        block_tokens: int | None = None,
     ) -> None:
         if vocab_size <= low:
             raise ValueError(f"vocabulary {vocab_size} has no ids above {low}")
@@ -158,7 +150,10 @@ class TextPrompts:
     /v1/completions encodes them) has exactly input_length tokens, where that is possible."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, seed: int = 0, block_tokens: int = BLOCK_TOKENS
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        seed: int = 0,
+        block_tokens: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.words = one_token_words(tokenizer)

@@ -12,10 +12,11 @@ then following export's estimate.
 
 Without kinds (a public trace): N requests resampled from the recorded (input, output) pairs.
 
-hash_ids follow export: the source's system blocks (the longest common prefix of all its hash_ids)
-are shared by every call, a paper's blocks by its calls, the rest fresh. Timestamps are 0 (a batch)
-or a Poisson process at `rate` papers per second; a paper's calls share its arrival time.
-Deterministic for a seed."""
+hash_ids follow export, at the source's block size (its records' `block_size`, which the output
+records carry; a source of mixed sizes is refused as it is read): the source's system blocks (the
+longest common prefix of all its hash_ids) are shared by every call, a paper's blocks by its calls,
+the rest fresh. Timestamps are 0 (a batch) or a Poisson process at `rate` papers per second; a
+paper's calls share its arrival time. Deterministic for a seed."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from workload.export import BlockIds, prompt_blocks
 from workload.stats import fit_lognormal
-from workload.trace import BLOCK_TOKENS, MAX_TIMESTAMP_MS, TraceRecord
+from workload.trace import MAX_TIMESTAMP_MS, TraceRecord, block_size_option_problem
 
 LENGTH_SLACK = (0, -1, 1, -2, 2)  # task-length differences tried when matching by input length
 SHIFT_WINDOW = 32  # earlier anchor-kind calls a call is compared with to find the task shift
@@ -55,17 +56,19 @@ def common_prefix(lists: Sequence[list[int]]) -> int:
     return n
 
 
-def block_size_problem(r: TraceRecord, block_size: int) -> str | None:
-    """Why a source record's hash_ids are not blocks of block_size tokens, or None."""
-    if r.hash_ids and len(r.hash_ids) != math.ceil(r.input_length / block_size):
+def block_size_problem(r: TraceRecord, block_size: int | None = None) -> str | None:
+    """Why a source record's hash_ids are not blocks of its block size (or block_size) tokens,
+    or None."""
+    size = r.hash_block_size if block_size is None else block_size
+    if r.hash_ids and len(r.hash_ids) != math.ceil(r.input_length / size):
         return (
             f"{len(r.hash_ids)} hash_ids for {r.input_length} tokens is not "
-            f"{block_size}-token blocks; pass the source's --block-size"
+            f"{size}-token blocks; pass the source's --block-size"
         )
     return None
 
 
-def check_block_size(records: Sequence[TraceRecord], block_size: int) -> None:
+def check_block_size(records: Sequence[TraceRecord], block_size: int | None) -> None:
     for number, r in enumerate(records, 1):
         if problem := block_size_problem(r, block_size):
             raise SynthError(f"record {number}: {problem}")
@@ -196,6 +199,7 @@ class _Writer:
                 kind=kind,
                 model=self.model,
                 source="synth",
+                block_size=self.block_size,
             )
             for kind, length, output in calls
         ]
@@ -241,9 +245,10 @@ def synth_trace(
     papers: int,
     seed: int = 0,
     rate: float | None = None,
-    block_size: int = BLOCK_TOKENS,
+    block_size: int | None = None,
 ) -> tuple[list[TraceRecord], str]:
-    """The synthetic records (by timestamp) and a line saying how they were drawn."""
+    """The synthetic records (by timestamp) and a line saying how they were drawn. block_size
+    overrides the source's (its records' block_size, else 512); the records carry it."""
     if not 1 <= papers <= MAX_PAPERS:
         raise SynthError(f"--papers must be from 1 to {MAX_PAPERS:,}, not {papers}")
     if seed < 0:  # numpy's generators take only non-negative seeds
@@ -252,6 +257,9 @@ def synth_trace(
         raise SynthError("--rate must be positive (papers per second)")
     if not source:
         raise SynthError("the source trace has no requests")
+    if problem := block_size_option_problem(block_size):
+        raise SynthError(problem)
+    block_size = source[0].hash_block_size if block_size is None else block_size
     check_block_size(source, block_size)
     ordered = sorted(source, key=lambda r: r.timestamp)
     system = common_prefix([r.hash_ids for r in ordered if r.hash_ids])

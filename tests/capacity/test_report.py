@@ -211,3 +211,27 @@ def test_json_output_has_every_figure_unrounded(tmp_path):
     assert plan["requests_per_s"] == pytest.approx(len(records) / plan["makespan_s"])
     assert plan["memory"]["kv_bytes_per_token"] == direct.memory.kv_bytes_per_token
     assert data["settings"]["load"]["mode"] == "batch" and data["requests"] == len(records)
+
+
+def test_report_reads_the_traces_hash_block_size(tmp_path):
+    """--block-size is the trace's hash block size (its records' block_size, 512 where absent),
+    not the engine's KV block size (16). A trace of 16-token ids without block_size, read as
+    512-token blocks, would share 32x more than it says: refused, naming the option."""
+    old = tmp_path / "old16.jsonl"  # exported at 16 before traces carried their block size
+    write_trace(old, [TraceRecord(0, 40, 4, [0, 1, 2]), TraceRecord(0, 40, 4, [0, 3, 4])])
+    base = ["capacity", "report", "--model", "Qwen2.5-7B", "--gpus", "L4", "--trace", str(old)]
+    refused = CliRunner().invoke(app, [*base, "-o", str(tmp_path / "a.html")])
+    assert refused.exit_code == 2, refused.output
+    assert f"{old}:1: 3 hash_ids for 40 tokens do not fit 512-token blocks" in refused.output
+    assert "--block-size" in refused.output
+    data = tmp_path / "b.json"
+    args = [*base, "--block-size", "16", "-o", str(tmp_path / "b.html"), "--json", str(data)]
+    ran = CliRunner().invoke(app, args)
+    assert ran.exit_code == 0, ran.output
+    import json
+
+    report = json.loads(data.read_text())
+    assert report["settings"]["block_size"] == 16  # the engine's, unchanged
+    assert report["hash_block_size"] == 16
+    bad = CliRunner().invoke(app, [*base, "--block-size", "0", "-o", str(tmp_path / "c.html")])
+    assert bad.exit_code == 2 and "--block-size must be from 1" in bad.output

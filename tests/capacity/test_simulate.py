@@ -152,6 +152,31 @@ def test_a_trace_without_hash_ids_shares_nothing():
     assert first[:16] != second[:16]
 
 
+def test_hash_ids_are_blocks_of_the_traces_block_size():
+    """`workload export --block-size 16` writes 16-token ids. Two prompts sharing one of them
+    share 16 tokens, not 512 (hash_ids were always read as 512-token blocks): the prefix cache
+    hits one 16-token KV block, and prefill computes the rest."""
+    first = TraceRecord(0, 600, 8, list(range(38)), block_size=16)
+    second = TraceRecord(0, 600, 8, [0, *range(100, 137)], block_size=16)
+    a, b = (prompt_token_ids(r, 32000, owner=i) for i, r in enumerate((first, second)))
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared == 16
+    # As 512-token blocks (Mooncake's, a record without block_size) the same ids share 512.
+    mooncake = [TraceRecord(0, 600, 8, [0, 1]), TraceRecord(0, 600, 8, [0, 2])]
+    c, d = (prompt_token_ids(r, 32000, owner=i) for i, r in enumerate(mooncake))
+    assert c[:512] == d[:512] and c[512] != d[512]
+    shape = EngineShape(num_blocks=512, max_num_seqs=1, max_num_batched_tokens=1024)
+    computed = []
+
+    def step(s: StepShape) -> float:
+        computed.append(s.num_batched_tokens)
+        return 0.01
+
+    simulate([first, second], step, shape, batch=True)
+    # One at a time (max_num_seqs 1): 600 prefill tokens, 7 decode steps, then 600 - 16.
+    assert computed == [600, *[1] * 7, 600 - 16, *[1] * 7]
+
+
 def _constant_step(_: StepShape) -> float:
     return 0.01
 

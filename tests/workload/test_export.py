@@ -129,6 +129,7 @@ def test_cli_writes_the_trace_and_filters(url, tmp_path):
         "input_length": 14,
         "output_length": 5,
         "hash_ids": [0, 1, 2, 3],
+        "block_size": 4,  # the trace carries its block size
         "kind": "summary",
         "cached_tokens": 0,
         "model": "m",

@@ -110,6 +110,19 @@ def test_block_size_sets_how_much_a_hash_id_shares():
         check_block_size([TraceRecord(0, 40, 1, [0, 1, 2])], 512)
 
 
+def test_prompts_use_each_records_block_size():
+    """A record that says block_size 16 shares 16 tokens per hash_id without being told; one
+    without a block size shares 512 (Mooncake's)."""
+    prompts = TokenPrompts(32000, seed=0)
+    a = prompts.prompt(0, TraceRecord(0, 40, 1, [0, 1, 2], block_size=16))
+    b = prompts.prompt(1, TraceRecord(0, 40, 1, [0, 3, 4], block_size=16))
+    assert a[:16] == b[:16] and a[16:32] != b[16:32]
+    c = prompts.prompt(2, TraceRecord(0, 600, 1, [0]))
+    d = prompts.prompt(3, TraceRecord(0, 600, 1, [0, 9]))
+    assert c[:512] == d[:512] and c[512:] != d[512:]
+    check_block_size([TraceRecord(0, 40, 1, [0, 1, 2], block_size=16)])
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from engine.model_fetch import fetch_default_model

@@ -192,6 +192,28 @@ def test_cli_rejects_bad_arguments(tmp_path):
         assert run.exit_code == 2 and words in run.output, run.output
 
 
+def test_cli_cuts_prompts_at_the_traces_block_size(tmp_path):
+    """A trace exported with --block-size 16 says so; replay then shares 16 tokens where two
+    records share one hash_id, not 512 (the whole prompt here). --block-size 512 overrides it,
+    and the 16-token ids no longer fit: refused before a request is sent."""
+    trace = tmp_path / "blocks16.jsonl"
+    write_trace(trace, [TraceRecord(0, 40, 1, [0, 1, 2], block_size=16),
+                        TraceRecord(0, 40, 1, [0, 3, 4], block_size=16)])  # fmt: skip
+    out = tmp_path / "r.json"
+    with DelayServer(ttft_s=0.0, itl_s=0.0) as server:
+        args = ["workload", "replay", str(trace), "--base-url", server.base_url]
+        run = CliRunner().invoke(app, [*args, "--model", "stub", "-o", str(out)])
+        prompts = sorted(b["prompt"] for _, b in server.arrivals)
+    assert run.exit_code == 0, run.output
+    a, b = prompts
+    assert a[:16] == b[:16] and a[16:32] != b[16:32]
+    assert json.loads(out.read_text())["config"]["block_size"] == 16
+    tail = ["--model", "m", "-o", str(out), "--block-size", "512"]
+    args = ["workload", "replay", str(trace), "--base-url", "http://127.0.0.1:9/v1", *tail]
+    refused = CliRunner().invoke(app, args)
+    assert refused.exit_code == 2 and "do not fit 512-token blocks" in refused.output
+
+
 def test_unreachable_server_is_a_failed_run(tmp_path):
     trace = tmp_path / "trace.jsonl"
     write_trace(trace, _trace([3, 2]))

@@ -151,7 +151,18 @@ def test_errors():
     with pytest.raises(SynthError, match="--rate"):
         synth_trace(source, 3, rate=0.0, block_size=BLOCK)
     with pytest.raises(SynthError, match="not 512-token blocks"):
-        synth_trace(source, 3)
+        synth_trace(source, 3, block_size=512)  # overriding the source's 16
+    with pytest.raises(SynthError, match="--block-size must be from 1"):
+        synth_trace(source, 3, block_size=0)
+
+
+def test_the_source_block_size_is_read_from_it_and_carried():
+    """An export at 16 tokens a block is synthesized at 16 without being told, and the output
+    says 16: read as 512-token blocks its shared system blocks would cover 1024 tokens."""
+    records, _ = synth_trace(_source(papers=20), 10, seed=0)
+    assert {r.block_size for r in records} == {BLOCK}
+    assert all(len(r.hash_ids) == -(-r.input_length // BLOCK) for r in records)
+    assert records == synth_trace(_source(papers=20), 10, seed=0, block_size=BLOCK)[0]
 
 
 def test_cli(tmp_path):
@@ -161,8 +172,11 @@ def test_cli(tmp_path):
     result = runner.invoke(app, [*args, "--block-size", "16", "--seed", "3", "--rate", "0.5"])
     assert result.exit_code == 0, result.output
     assert len(read_trace(out)) == 14
-    bad = runner.invoke(app, args)
+    assert {r.block_size for r in read_trace(out)} == {16}
+    assert runner.invoke(app, args).exit_code == 0  # the source says 16
+    bad = runner.invoke(app, [*args, "--block-size", "512"])
     assert bad.exit_code == 2 and bad.output.startswith(f"error: {like}:1: ")
+    assert "not 512-token blocks" in bad.output
 
 
 def test_arrivals_past_the_format_bound_are_refused():
