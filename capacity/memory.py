@@ -81,7 +81,10 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
         4, UNQUANTIZED_BYTES, group_size=INT4_GROUP_SIZE, group_bits=INT4_GROUP_BITS
     ),
 }
-KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# KV cache element sizes (vLLM's --kv-cache-dtype; its fp8 variants e4m3 / e5m2 are one byte with
+# one float scale per layer, which is no memory to speak of). int8 is the 8-bit KV cache of
+# TensorRT-LLM and LMDeploy: one byte an element, its scales as negligible.
+KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 _ALIASES = {
     "float32": "fp32",
     "float": "fp32",

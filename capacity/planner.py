@@ -41,6 +41,9 @@ class PlanSettings:
     max_model_len: int | None = None
     # How requests arrive (the replay's modes); the nightly job sends everything at once.
     load: Load = field(default_factory=Load)
+    # The KV cache's dtype (fp8, int8: 1 byte; bf16, fp16: 2; fp32: 4); None: the compute dtype
+    # (vLLM's --kv-cache-dtype auto).
+    kv_cache_dtype: str | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +129,7 @@ def plan_gpu(
             spec,
             gpu.memory_bytes,
             dtype=settings.dtype,
+            kv_dtype=settings.kv_cache_dtype,
             tp=tp,
             utilization=settings.utilization,
             block_size=settings.block_size,
@@ -138,8 +142,7 @@ def plan_gpu(
         return result
     coefficients = coefficients_for(gpu, settings.dtype, calibration, tp)
     result.basis = coefficients.basis
-    kv_dtype = getattr(settings, "kv_cache_dtype", None)  # the planner's --kv-cache-dtype
-    step_time = _step_time(spec, tp, settings.dtype, kv_dtype, coefficients)
+    step_time = _step_time(spec, tp, settings.dtype, settings.kv_cache_dtype, coefficients)
     engine = EngineShape(
         num_blocks=result.memory.num_blocks,
         block_size=settings.block_size,

@@ -148,6 +148,10 @@ def report(
     deadline: Annotated[str | None, typer.Option(help="e.g. 2h, 90m, 3600s.")] = None,
     tp: Annotated[str, typer.Option(help="Tensor-parallel sizes, comma-separated.")] = "1",
     dtype: Annotated[str, typer.Option(help="bf16, fp16, fp8, int8, int4.")] = "bf16",
+    kv_cache_dtype: Annotated[
+        str,
+        typer.Option(help="auto (the compute dtype), bf16, fp16, fp32, fp8 or int8 (1 byte)."),
+    ] = "auto",
     max_num_seqs: Annotated[int, typer.Option()] = 256,
     max_num_batched_tokens: Annotated[int, typer.Option()] = 8192,
     utilization: Annotated[float, typer.Option(help="gpu_memory_utilization.")] = 0.9,
@@ -200,6 +204,7 @@ def report(
     settings = replace(
         _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
         deadline_s=_seconds(deadline) if deadline else None,
+        kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
         load=_load(mode, rate, concurrency, seed),
         max_model_len=max_model_len,
         **_prices(api_price_per_mtok),
@@ -258,6 +263,18 @@ def _dtype(dtype: str) -> None:
         normalize_dtype(dtype, WEIGHT_FORMATS)
     except MemoryPlanError as exc:
         raise fail(f"--dtype: {exc}") from None
+
+
+def _kv_cache_dtype(text: str) -> str | None:
+    """--kv-cache-dtype as the planner takes it: None for auto (the compute dtype)."""
+    from capacity.memory import KV_DTYPE_BYTES, MemoryPlanError, normalize_dtype
+
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return normalize_dtype(text.strip(), KV_DTYPE_BYTES)
+    except MemoryPlanError as exc:
+        raise fail(f"--kv-cache-dtype: {exc} or auto") from None
 
 
 def _settings(dtype: str, max_num_seqs: int, max_batched: int, utilization: float) -> PlanSettings:

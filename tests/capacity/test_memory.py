@@ -30,6 +30,8 @@ def test_kv_bytes_per_token():
     # 2 (K and V) x 32 layers x 8 KV heads x 128 head_dim x 2 bytes
     assert kv_bytes_per_token(LLAMA_8B, "bf16") == 131_072
     assert kv_bytes_per_token(LLAMA_8B, "fp8") == 65_536
+    assert kv_bytes_per_token(LLAMA_8B, "int8") == 65_536
+    assert kv_bytes_per_token(LLAMA_8B, "fp8_e5m2") == 65_536
     assert kv_bytes_per_token(LLAMA_8B, "float32") == 262_144
     assert kv_bytes_per_token(LLAMA_8B, "bf16", tp=2) == 65_536  # 4 KV heads per GPU
     # tp=16 > 8 KV heads: each GPU keeps one (replicated) head, not half of one

@@ -235,3 +235,46 @@ def test_report_reads_the_traces_hash_block_size(tmp_path):
     assert report["hash_block_size"] == 16
     bad = CliRunner().invoke(app, [*base, "--block-size", "0", "-o", str(tmp_path / "c.html")])
     assert bad.exit_code == 2 and "--block-size must be from 1" in bad.output
+
+
+def test_kv_cache_dtype_reaches_memory_and_step_time():
+    """--kv-cache-dtype fp8 (or int8) halves the KV bytes per token: about twice the blocks in
+    the same pool, and decode steps that read half the KV bytes. auto is the compute dtype."""
+    spec, gpu = load_model_spec("Llama-3.1-8B"), find_gpu("H100")
+    # Long prompts, few at a time: every plan holds them all, so only the step times differ.
+    records = [TraceRecord(0, 30_000, 64, [i]) for i in range(4)]
+    plans = {
+        kv: plan_gpu(spec, records, gpu, 1, PlanSettings(max_num_seqs=4, kv_cache_dtype=kv))
+        for kv in (None, "bf16", "fp8", "int8")
+    }
+    auto, bf16, fp8, int8 = (plans[kv] for kv in (None, "bf16", "fp8", "int8"))
+    assert auto.memory.kv_dtype == "bf16" and auto.memory.num_blocks == bf16.memory.num_blocks
+    assert fp8.memory.kv_dtype == "fp8" and int8.memory.kv_dtype == "int8"
+    assert fp8.memory.kv_bytes_per_token * 2 == bf16.memory.kv_bytes_per_token == 131_072
+    assert abs(fp8.memory.num_blocks - 2 * bf16.memory.num_blocks) <= 1
+    assert fp8.sim.preemptions == bf16.sim.preemptions == 0
+    assert fp8.latency["tpot"]["p50"] < 0.95 * bf16.latency["tpot"]["p50"]
+    assert int8.latency["tpot"]["p50"] == fp8.latency["tpot"]["p50"]
+
+
+def test_kv_cache_dtype_option(tmp_path):
+    import json
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, _trace(2))
+    base = ["capacity", "report", "--model", "Qwen2.5-7B", "--trace", str(trace), "--gpus", "L4"]
+    data = tmp_path / "r.json"
+    ran = CliRunner().invoke(
+        app, [*base, "--kv-cache-dtype", "FP8", "-o", str(tmp_path / "r.html"), "--json", data]
+    )
+    assert ran.exit_code == 0, ran.output
+    report = json.loads(data.read_text())
+    assert report["settings"]["kv_cache_dtype"] == "fp8"
+    assert report["plans"][0]["memory"]["kv_dtype"] == "fp8"
+    for value in ("int4", "q8", ""):
+        bad = CliRunner().invoke(
+            app, [*base, "--kv-cache-dtype", value, "-o", str(tmp_path / "x.html")]
+        )
+        assert bad.exit_code == 2, bad.output
+        assert bad.output.startswith("error: --kv-cache-dtype: unknown dtype"), bad.output
+        assert not (tmp_path / "x.md").exists()
