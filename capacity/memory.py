@@ -3,11 +3,19 @@
     KV blocks = floor((utilization x GPU memory - weights - activation peak - overhead)
                       / bytes per block)
     bytes per block = block_size x KV bytes per token
+    overhead = non-torch memory (+ NCCL buffers with tp > 1) (+ CUDA graphs, vLLM >= 0.21)
 
 all per GPU: tensor parallelism splits the weights, the KV heads (replicated once tp exceeds
 them) and the activations, so every GPU holds the same number of blocks, each for a slice of the
-heads. vLLM measures the activation peak and the non-torch memory by profiling a forward pass;
-here both are estimated from the model's shapes and the constants below.
+heads. GPU memory is the total CUDA reports (capacity/gpus.py), which vLLM multiplies by
+gpu_memory_utilization. This is vLLM v1's budget (vllm/v1/worker/gpu_worker.py,
+determine_available_memory: requested = utilization x total; KV = requested - (weights + torch
+peak increase + non-torch increase of a profiling forward pass at max_num_batched_tokens), since
+v0.21 minus the CUDA graph estimate too). vLLM measures the activation peak and the non-torch
+memory by that forward pass; here both are estimated, from the model's shapes and the constants
+below, and checked against the block counts vLLM printed (tests/capacity/test_published_kv.py).
+The CUDA context is outside the budget: vLLM only requires the free memory at startup to hold
+the request, so a utilization that leaves less than a context beside it may not start.
 """
 
 from __future__ import annotations
@@ -21,27 +29,39 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 # --- overheads, per GPU -----------------------------------------------------------------------
-# The CUDA context (driver state and lazily loaded kernel images): typically 0.3-0.6 GiB on
-# Ampere/Hopper with CUDA 12's lazy module loading (our estimate; not measured here). vLLM takes
-# its first memory snapshot after the context exists and requires free memory >= utilization x
-# total, so the context must fit in the (1 - utilization) headroom rather than in the budget;
-# plan_memory checks that.
-CUDA_CONTEXT_BYTES = 512 * MIB
-# Memory allocated outside torch during the forward pass (cuBLAS/cuBLASLt workspaces, attention
-# kernels' scratch). vLLM logs it as "non_torch_memory": 0.16 GiB for Llama-3.2-11B on an H100
-# (vLLM PR #12126, Jan 2025), 0.20 GiB on 24 GB cards (PR #14447), 0.33 GiB on an RTX 5090
-# (issue #14452); we take the upper end, rounded.
-NON_TORCH_BYTES = 512 * MIB
-# NCCL communicator buffers (NCCL_BUFFSIZE = 4 MiB per channel, protocol and peer) and vLLM's
-# custom all-reduce buffers, only when tp > 1. vLLM PR #10511 (Dec 2024) logged non-torch memory
-# of 1.79 GiB at TP=1 and 3.58 GiB at TP=2 for Llama-3-8B on H100; later versions count less of
-# it. 1 GiB is our middle estimate.
-NCCL_BYTES = 1 * GIB
-# CUDA-graph pools for decode/mixed batches at vLLM's default capture sizes. vLLM >= 0.21 profiles
-# and subtracts them; its logs show 0.11-0.73 GiB per GPU for dense models (0.11 GiB in
-# aivrar/vllm-windows-build#4, "Estimated CUDA graph memory: 0.36 GiB" per TP worker in
-# gpustack/runner PR #251, 0.73 GiB in vLLM PR #39559). 0 with enforce_eager.
-CUDA_GRAPH_BYTES = 512 * MIB
+# Figures vLLM printed (capacity/data/published_kv.jsonl quotes the lines). "llm-d" is the
+# llm-d-planner accuracy sweep: vLLM 0.19.0 on H100 80GB HBM3 at utilization 0.95, 20 logs
+# (github.com/llm-d-incubation/llm-d-planner, commit d3121e0, accuracy/results/v0.19.0/logs).
+#
+# The CUDA context (driver state, kernel images) and whatever else holds memory when vLLM takes
+# its startup snapshot: 0.51 GiB on the H100 at TP 1 (llm-d: "free_memory=78.68GiB,
+# total_memory=79.19GiB, cuda_memory=0.51GiB"). It is not in the budget: vLLM >= 0.9.1 refuses to
+# start when the free memory at startup is less than utilization x total, so it must fit beside
+# the budget. Contexts differ by GPU and driver and nothing here measures them, so plan_memory
+# warns when the headroom is smaller than this one, and refuses only a headroom of nothing
+# (utilization 1), which no context fits. vLLM 0.7 had no such check and ran 2x RTX 4090 at
+# 0.98 (vllm issue #13061), a headroom of 0.47 GiB.
+CUDA_CONTEXT_BYTES = round(0.51 * GIB)
+# Memory allocated outside torch during the profiling forward pass (cuBLAS/cuBLASLt workspaces,
+# attention kernels' scratch), vLLM's "non-torch memory": 0.24-0.27 GiB in the 12 llm-d logs at
+# TP 1 (0.25 in most), 0.25 GiB on 2x RTX 4090 (vllm issue #13061), 0.35 GiB on an RTX 3090
+# (vllm issue #10517), 0.16 GiB on an H100 (vllm PR #12126), 0.05 GiB on an A10 (Oracle AQUA
+# troubleshooting doc). The llm-d figure, the one of the newest vLLM.
+NON_TORCH_BYTES = round(0.25 * GIB)
+# With tp > 1 over NVLink, NCCL's and the all-reduce's buffers add to the non-torch memory: 2.06
+# to 2.21 GiB at TP 2 and 4 in the 8 llm-d logs (median 2.10) against 0.25 at TP 1, so 1.85 GiB
+# more. Over PCIe (no NVLink buffers, no custom all-reduce without P2P) 2x RTX 4090 logged 0.25
+# GiB in all (vllm issue #13061, vLLM 0.7): nothing more. A100's NVLink 3 has no log here; it
+# gets the NVLink figure, which errs on the side of fewer blocks.
+NCCL_NVLINK_BYTES = round(1.85 * GIB)
+NCCL_PCIE_BYTES = 0
+# CUDA graph pools at vLLM's default capture sizes (up to 512 sequences), per layer of the
+# model: llm-d logged "CUDA graph pool memory (actual)" of 0.87-1.07 GiB at TP 1 for models of
+# 28-40 layers (27.1-31.8 MiB a layer: Llama-3.1-8B 0.91 GiB / 32, Qwen2.5-7B 0.87 / 28, Qwen3-8B
+# 0.96 / 36, phi-4 1.07 / 40) and 20.6-24.3 MiB a layer at TP 2 and 4. vLLM >= 0.21 estimates and
+# subtracts them from the KV pool ("CUDA graph memory profiling is enabled (default since
+# v0.21.0)"); vLLM 0.19 allocated them outside the budget. 0 with enforce_eager.
+CUDA_GRAPH_BYTES_PER_LAYER = 28 * MIB
 
 # --- bytes per element ----------------------------------------------------------------------
 # Quantized formats shrink only the seven linear weight matrices of each layer; embeddings,
@@ -54,7 +74,12 @@ CHANNEL_SCALE_BITS = 32
 # and one 4-bit zero point packed eight to an int32 (their "scales" and "qzeros" tensors).
 INT4_GROUP_SIZE = 128
 INT4_GROUP_BITS = 16 + 4
-# The sampler works on float32 logits.
+# The profiling run's sampler (vLLM v1 _dummy_sampler_run over min(max_num_seqs, tokens) rows of
+# the full vocabulary): the logits in the compute dtype, then three float32 arrays of that shape
+# alive at once (the float32 logits, the softmax probabilities, and the exponential noise the
+# random sampler divides them by). With the layer peak below this matches the activation peaks
+# llm-d logged to -5..-10% (Llama-3.1-8B 1.78 GiB for 1.89, Qwen2.5-7B 2.09 for 2.21).
+SAMPLER_FLOAT32_COPIES = 3
 LOGIT_BYTES = 4
 
 
@@ -144,30 +169,63 @@ def activation_peak_bytes(
     dtype: str = "bf16",
     tp: int = 1,
 ) -> int:
-    """The largest set of intermediates alive at once in one layer's forward over a full token
-    budget T, on one of tp GPUs (layers run one after another, so one layer's peak is the model's):
+    """vLLM's profiling run, on one of tp GPUs: a forward pass over a full token budget T, then the
+    sampler over R = min(max_num_seqs, T) rows. Its peak is the larger of
 
-        residual stream + normed input     2 x T x hidden
-        + max(attention: q,k,v + attention output   T x (2 q_heads + 2 kv_heads) x head_dim,
-              MLP: gate|up + SiLU(gate) x up          3 x T x intermediate)
-    in the compute dtype, plus the float32 logits of the sampled rows, min(max_num_seqs, T) x vocab
-    (the full vocabulary: vLLM gathers the vocab-parallel logits before sampling)."""
+      the layer's: residual stream, normed input, projection output    3 x T x hidden
+                   + max(attention: q,k,v + attention output     T x (2 q_heads + 2 kv_heads)
+                         MLP: gate|up + SiLU(gate) x up           3 x T x intermediate)
+                   in the compute dtype (layers run one after another: one layer's peak is
+                   the model's);
+      the sampler's: the hidden states T x hidden (compute dtype) and R x vocab logits in the
+                   compute dtype plus three float32 copies (SAMPLER_FLOAT32_COPIES; the full
+                   vocabulary: vLLM gathers the vocab-parallel logits onto every rank).
+
+    Checked against vLLM's logged peaks: 2.06 GiB for 2.07 at T = 20,000 (Llama-3.1-8B, RTX 3090,
+    vllm issue #10517) and 2.99 for 2.99 at T = 29,000, where the layer term is the peak; see
+    SAMPLER_FLOAT32_COPIES where the sampler's is."""
     tokens = max_num_batched_tokens
     elem = WEIGHT_FORMATS[compute_dtype(dtype)].other_bytes
     (_, q_out), (_, kv_out) = linear_shapes(spec, tp)[:2]
     inter = spec.intermediate_size // tp
-    residual = 2 * tokens * spec.hidden_size
+    stream = 3 * tokens * spec.hidden_size
     attention = tokens * (2 * q_out + 2 * kv_out)
     mlp = 3 * tokens * inter
-    logits = min(max_num_seqs, tokens) * spec.vocab_size * LOGIT_BYTES
-    return (residual + max(attention, mlp)) * elem + logits
-
-
-def overhead_bytes(tp: int = 1, cuda_graphs: bool = True) -> int:
-    """Memory in the budget that is neither weights, activations nor KV, per GPU."""
-    return (
-        NON_TORCH_BYTES + (NCCL_BYTES if tp > 1 else 0) + (CUDA_GRAPH_BYTES if cuda_graphs else 0)
+    layer = (stream + max(attention, mlp)) * elem
+    rows = min(max_num_seqs, tokens)
+    sampler = tokens * spec.hidden_size * elem + rows * spec.vocab_size * (
+        elem + SAMPLER_FLOAT32_COPIES * LOGIT_BYTES
     )
+    return max(layer, sampler)
+
+
+@dataclass(slots=True, frozen=True)
+class Overheads:
+    """Memory in the budget that is neither weights, activations nor KV, per GPU."""
+
+    non_torch_bytes: int  # cuBLAS workspaces, kernels' scratch
+    nccl_bytes: int  # communicator and all-reduce buffers (tp > 1)
+    cuda_graph_bytes: int  # graph pools (vLLM >= 0.21 subtracts them)
+
+    @property
+    def total(self) -> int:
+        return self.non_torch_bytes + self.nccl_bytes + self.cuda_graph_bytes
+
+
+def overheads(
+    spec: ModelSpec, tp: int = 1, cuda_graphs: bool = True, nvlink: bool = True
+) -> Overheads:
+    """The overheads of one GPU of a tp group; nvlink: whether the group talks over NVLink (its
+    NCCL buffers are larger), else PCIe."""
+    nccl = 0 if tp == 1 else NCCL_NVLINK_BYTES if nvlink else NCCL_PCIE_BYTES
+    graphs = spec.num_layers * CUDA_GRAPH_BYTES_PER_LAYER if cuda_graphs else 0
+    return Overheads(NON_TORCH_BYTES, nccl, graphs)
+
+
+def overhead_bytes(
+    spec: ModelSpec, tp: int = 1, cuda_graphs: bool = True, nvlink: bool = True
+) -> int:
+    return overheads(spec, tp, cuda_graphs, nvlink).total
 
 
 # --- the plan ---------------------------------------------------------------------------------
@@ -192,6 +250,11 @@ class MemoryPlan:
     kv_bytes: int  # the KV pool, whole blocks only
     kv_bytes_per_token: int
     num_blocks: int
+    overheads: Overheads | None = None  # overhead_bytes, item by item
+    # Outside the budget: what the CUDA context is assumed to take (CUDA_CONTEXT_BYTES), and
+    # what the headroom beside the budget leaves for it.
+    cuda_context_bytes: int = CUDA_CONTEXT_BYTES
+    warnings: tuple[str, ...] = ()  # what may stop vLLM from starting as planned
 
     @property
     def bytes_per_block(self) -> int:
@@ -225,22 +288,28 @@ def plan_memory(
     max_model_len: int | None = None,
     cuda_graphs: bool = True,
     kv_cache_memory: int | None = None,
+    nvlink: bool = True,
 ) -> MemoryPlan:
-    """The KV pool left on each GPU. kv_dtype defaults to the compute dtype; max_model_len to the
-    model's max_position_embeddings. kv_cache_memory fixes the pool's bytes instead of deriving
-    them from utilization (vLLM's kv_cache_memory_bytes, our EngineConfig.kv_cache_memory)."""
+    """The KV pool left on each GPU of gpu_memory_bytes (the total CUDA reports). kv_dtype
+    defaults to the compute dtype; max_model_len to the model's max_position_embeddings.
+    kv_cache_memory fixes the pool's bytes instead of deriving them from utilization (vLLM's
+    kv_cache_memory_bytes, our EngineConfig.kv_cache_memory). cuda_graphs: the graphs' memory is
+    in the budget (vLLM >= 0.21; False for enforce_eager or vLLM <= 0.20, which allocated them
+    beside it); nvlink: the tp group talks over NVLink (False: PCIe)."""
     kv_dtype = normalize_dtype(kv_dtype or compute_dtype(dtype), KV_DTYPE_BYTES)
     max_model_len = max_model_len or spec.max_position_embeddings
     _check_args(spec, utilization, block_size, max_model_len, max_num_batched_tokens, max_num_seqs)
     weights = weight_bytes(spec, dtype, tp)
     activation = activation_peak_bytes(spec, max_num_batched_tokens, max_num_seqs, dtype, tp)
-    overhead = overhead_bytes(tp, cuda_graphs)
+    items = overheads(spec, tp, cuda_graphs, nvlink)
+    overhead = items.total
     per_token = kv_bytes_per_token(spec, kv_dtype, tp)
     budget = math.floor(utilization * gpu_memory_bytes)
     where = f"{spec.name} ({dtype}, tp={tp}) on {_gib(gpu_memory_bytes)} GiB"
+    warnings: tuple[str, ...] = ()
     if kv_cache_memory is None:
         _check_weights(where, weights, budget, f"{utilization:g} x {_gib(gpu_memory_bytes)} = ")
-        _check_headroom(where, gpu_memory_bytes, budget)
+        warnings = _check_headroom(where, gpu_memory_bytes, budget, utilization)
         pool = budget - weights - activation - overhead
     else:  # a fixed pool: only the whole must fit the GPU
         _check_weights(where, weights + activation + overhead + kv_cache_memory, gpu_memory_bytes)
@@ -263,6 +332,8 @@ def plan_memory(
         kv_bytes=blocks * block_size * per_token,
         kv_bytes_per_token=per_token,
         num_blocks=blocks,
+        overheads=items,
+        warnings=warnings,
     )
 
 
@@ -292,13 +363,27 @@ def _check_weights(where: str, need: int, limit: int, how: str = "") -> None:
         )
 
 
-def _check_headroom(where: str, gpu_memory_bytes: int, budget: int) -> None:
+def _check_headroom(
+    where: str, gpu_memory_bytes: int, budget: int, utilization: float
+) -> tuple[str, ...]:
+    """vLLM starts only if the free memory at startup (total less the CUDA context) holds the
+    budget: nothing beside it never does; less than an H100's context may not."""
     headroom = gpu_memory_bytes - budget
-    if headroom < CUDA_CONTEXT_BYTES:
+    if headroom <= 0:
         raise MemoryPlanError(
-            f"{where}: utilization leaves {_gib(headroom)} GiB outside the budget, less than the "
-            f"{_gib(CUDA_CONTEXT_BYTES)} GiB CUDA context; lower the utilization"
+            f"{where}: utilization {utilization:g} leaves nothing beside the budget for the CUDA "
+            f"context, and vLLM refuses to start when the free memory at startup is less than "
+            f"the budget; lower the utilization"
         )
+    if headroom < CUDA_CONTEXT_BYTES:
+        return (
+            f"utilization {utilization:g} leaves {_gib(headroom)} GiB beside the budget, less "
+            f"than the {_gib(CUDA_CONTEXT_BYTES)} GiB CUDA context an H100 showed at vLLM's "
+            f'startup: vLLM >= 0.9.1 refuses to start if the free memory then (its log: "Free '
+            f'memory on device") is below the budget. Check it on the GPU, or lower the '
+            f"utilization",
+        )
+    return ()
 
 
 def _check_pool(where: str, blocks: int, block_size: int, max_model_len: int, pool: int) -> None:

@@ -136,6 +136,7 @@ def plan_gpu(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=settings.max_num_seqs,
             max_model_len=max_model_len,
+            nvlink=gpu.interconnect.lower().startswith("nvlink"),
         )
     except (MemoryPlanError, ModelSpecError) as exc:
         result.error = str(exc)

@@ -1,15 +1,18 @@
 import pytest
 
+from capacity.gpus import find_gpu
 from capacity.memory import (
-    CUDA_GRAPH_BYTES,
+    CUDA_CONTEXT_BYTES,
+    CUDA_GRAPH_BYTES_PER_LAYER,
     GIB,
     MIB,
-    NCCL_BYTES,
+    NCCL_NVLINK_BYTES,
     NON_TORCH_BYTES,
     MemoryPlanError,
     activation_peak_bytes,
     kv_bytes_per_token,
     overhead_bytes,
+    overheads,
     plan_memory,
     weight_bytes,
 )
@@ -56,45 +59,60 @@ def test_weight_bytes_by_dtype():
 
 
 def test_activation_peak():
-    # T = 64 tokens, 8 sampled rows, bf16:
-    # residual + normed input 2 x 64 x 256 = 32,768; attention 64 x (2 x 256 + 2 x 128) = 49,152;
-    # MLP 3 x 64 x 512 = 98,304 (the larger); (32,768 + 98,304) x 2 bytes = 262,144;
-    # logits 8 x 1000 x 4 = 32,000.
-    assert activation_peak_bytes(TINY, 64, 8, "bf16") == 262_144 + 32_000
-    # Sampled rows never exceed the tokens of the step.
-    assert activation_peak_bytes(TINY, 4, 256, "bf16") == (2 * 4 * 256 + 3 * 4 * 512) * 2 + 16_000
+    # T = 64 tokens, 8 sampled rows, bf16. The layer: stream 3 x 64 x 256 = 49,152; attention
+    # 64 x (2 x 256 + 2 x 128) = 49,152; MLP 3 x 64 x 512 = 98,304 (the larger);
+    # (49,152 + 98,304) x 2 bytes = 294,912. The sampler: hidden 64 x 256 x 2 = 32,768 + logits
+    # 8 x 1000 x (2 + 3 x 4) = 112,000 -> 144,768. The peak is the layer's.
+    assert activation_peak_bytes(TINY, 64, 8, "bf16") == 294_912
+    # Sampled rows never exceed the tokens of the step: 4 rows. The layer: (3 x 4 x 256 +
+    # 3 x 4 x 512) x 2 = 18,432; the sampler: 4 x 256 x 2 + 4 x 1000 x 14 = 58,048, the peak.
+    assert activation_peak_bytes(TINY, 4, 256, "bf16") == 58_048
     # int4 weights still compute in bf16
     assert activation_peak_bytes(TINY, 64, 8, "int4") == activation_peak_bytes(TINY, 64, 8)
 
 
+def test_activation_peak_as_vllm_logged_it():
+    """Llama-3.1-8B: vLLM logged 2.07 GiB at 20,000 batched tokens (V0, 256 sequences; vllm
+    issue #10517), where the layer's peak is the larger, and 1.89 GiB at 8,192 tokens and 1,024
+    sequences (vLLM 0.19, llm-d), where the sampler's is: -6%, the sampler's scratch beyond its
+    float32 copies not counted."""
+    assert activation_peak_bytes(LLAMA_8B, 20_000, 256) / GIB == pytest.approx(2.07, abs=0.02)
+    assert activation_peak_bytes(LLAMA_8B, 8192, 1024) / GIB == pytest.approx(1.89, rel=0.07)
+
+
 def test_llama_8b_on_a_24gb_card():
+    """An RTX 4090: 23.52 GiB to CUDA (24,084 MiB), not the datasheet's 24 GB read as GiB."""
     plan = plan_memory(
         LLAMA_8B,
-        24 * GIB,
+        find_gpu("4090").memory_bytes,
         dtype="bf16",
         utilization=0.9,
         max_num_batched_tokens=2048,
         max_num_seqs=256,
         max_model_len=8192,
     )
-    # budget      = floor(0.9 x 25,769,803,776)                          = 23,192,823,398
+    # budget      = floor(0.9 x 24,084 x 2^20 = 0.9 x 25,253,904,384)    = 22,728,513,945
     # weights     = 8,030,261,248 params x 2                              = 16,060,522,496
-    # activations = (2x2048x4096 + 3x2048x14336) x 2 = 209,715,200
-    #               + logits 256 x 128,256 x 4 = 131,334,144             =    341,049,344
-    # overhead    = non-torch 512 MiB + CUDA graphs 512 MiB (tp=1: no NCCL) = 1,073,741,824
-    # KV pool     = 23,192,823,398 - 16,060,522,496 - 341,049,344 - 1,073,741,824
-    #             = 5,717,509,734 bytes
-    # block       = 16 tokens x 131,072 = 2,097,152 bytes -> floor(2726.3) = 2726 blocks
-    assert plan.budget_bytes == 23_192_823_398
+    # activations = the sampler's: hidden 2048 x 4096 x 2 = 16,777,216
+    #               + logits 256 x 128,256 x (2 + 3 x 4) = 459,669,504     =    476,446,720
+    #               (the layer's (3 x 2048 x 4096 + 3 x 2048 x 14336) x 2 = 226,492,416)
+    # overhead    = non-torch 0.25 GiB 268,435,456 + CUDA graphs 32 layers x 28 MiB
+    #               939,524,096 (tp=1: no NCCL)                          =  1,207,959,552
+    # KV pool     = 22,728,513,945 - 16,060,522,496 - 476,446,720 - 1,207,959,552
+    #             = 4,983,585,177 bytes
+    # block       = 16 tokens x 131,072 = 2,097,152 bytes -> floor(2376.3) = 2376 blocks
+    assert plan.budget_bytes == 22_728_513_945
     assert plan.weight_bytes == 16_060_522_496
-    assert plan.activation_bytes == 341_049_344
-    assert plan.overhead_bytes == 1_073_741_824
+    assert plan.activation_bytes == 476_446_720
+    assert plan.overhead_bytes == 1_207_959_552
+    assert plan.overheads.cuda_graph_bytes == 32 * CUDA_GRAPH_BYTES_PER_LAYER
     assert plan.bytes_per_block == 2_097_152
-    assert plan.num_blocks == 2726
-    assert plan.num_tokens == 43_616
-    assert plan.kv_bytes == 2726 * 2_097_152
+    assert plan.num_blocks == 2376
+    assert plan.num_tokens == 38_016
+    assert plan.kv_bytes == 2376 * 2_097_152
+    assert plan.warnings == ()  # 2.35 GiB beside the budget
     # p50 / p90 / p99 request lengths (input + output): 1000 -> 63 blocks, 4096 -> 256, 8192 -> 512
-    assert [plan.max_concurrent(n) for n in (1000, 4096, 8192)] == [43, 10, 5]
+    assert [plan.max_concurrent(n) for n in (1000, 4096, 8192)] == [37, 9, 4]
 
 
 def test_tensor_parallel_splits_weights_kv_and_activations():
@@ -106,7 +124,8 @@ def test_tensor_parallel_splits_weights_kv_and_activations():
     norms = 80 * 2 * 8192 + 8192
     assert plan.weight_bytes == (70_553_706_496 - norms) // 4 * 2 + norms * 2
     assert plan.kv_bytes_per_token == 2 * 80 * 2 * 128 * 2  # 8 KV heads / 4
-    assert plan.overhead_bytes == NON_TORCH_BYTES + NCCL_BYTES + CUDA_GRAPH_BYTES
+    graphs = 80 * CUDA_GRAPH_BYTES_PER_LAYER
+    assert plan.overhead_bytes == NON_TORCH_BYTES + NCCL_NVLINK_BYTES + graphs
     one_gpu = activation_peak_bytes(LLAMA_70B, 8192, 256)
     assert plan.activation_bytes < one_gpu
     replicated = plan_memory(LLAMA_70B, one, tp=16, **kwargs)
@@ -119,11 +138,11 @@ def test_weights_that_do_not_fit():
     with pytest.raises(MemoryPlanError, match=r"weights take 131\.4\d GiB .* 0\.9 x 80\.00"):
         plan_memory(LLAMA_70B, 80 * GIB, max_num_batched_tokens=2048, max_num_seqs=256)
     # On 18 GiB, Llama-3.1-8B's 14.96 GiB of weights fit the 16.2 GiB budget, but activations
-    # (0.32 GiB) and overhead (1 GiB) take the rest.
+    # (0.44 GiB) and overhead (1.13 GiB) take the rest.
     with pytest.raises(MemoryPlanError, match="no memory left for the KV cache"):
         plan_memory(LLAMA_8B, 18 * GIB, max_num_batched_tokens=2048, max_num_seqs=256)
     # A fixed pool (kv_cache_memory) ignores utilization, but the whole must fit the GPU.
-    with pytest.raises(MemoryPlanError, match="KV pool take 20.28 GiB .* 20.00 GiB"):
+    with pytest.raises(MemoryPlanError, match="KV pool take 20.53 GiB .* 20.00 GiB"):
         plan_memory(
             LLAMA_8B, 20 * GIB, kv_cache_memory=4 * GIB, max_num_batched_tokens=2048,
             max_num_seqs=256, max_model_len=8192,
@@ -131,8 +150,10 @@ def test_weights_that_do_not_fit():
 
 
 def test_max_model_len_that_does_not_fit():
-    with pytest.raises(MemoryPlanError, match=r"max_model_len 131072 needs 8192 KV blocks .* 2726"):
-        plan_memory(LLAMA_8B, 24 * GIB, max_num_batched_tokens=2048, max_num_seqs=256)
+    with pytest.raises(MemoryPlanError, match=r"max_model_len 131072 needs 8192 KV blocks .* 2376"):
+        plan_memory(
+            LLAMA_8B, find_gpu("4090").memory_bytes, max_num_batched_tokens=2048, max_num_seqs=256
+        )
     with pytest.raises(MemoryPlanError, match="exceeds .* max_position_embeddings 131072"):
         plan_memory(
             LLAMA_8B, 80 * GIB, max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=200_000
@@ -140,20 +161,30 @@ def test_max_model_len_that_does_not_fit():
 
 
 def test_headroom_for_the_cuda_context():
-    with pytest.raises(MemoryPlanError, match="CUDA context"):
-        plan_memory(
-            LLAMA_8B,
-            24 * GIB,
-            utilization=0.99,
-            max_num_batched_tokens=2048,
-            max_num_seqs=256,
-            max_model_len=8192,
-        )
+    """vLLM needs the free memory at startup (total less the CUDA context) to hold the budget.
+    Nothing beside the budget never does: refused. Less than the H100's 0.51 GiB context may
+    not: planned, with a warning (vLLM 0.7 ran 2x RTX 4090 at 0.98, 0.47 GiB beside it)."""
+    args = dict(max_num_batched_tokens=2048, max_num_seqs=256, max_model_len=8192)
+    with pytest.raises(MemoryPlanError, match="utilization 1 leaves nothing beside the budget"):
+        plan_memory(LLAMA_8B, find_gpu("4090").memory_bytes, utilization=1.0, **args)
+    tight = plan_memory(LLAMA_8B, find_gpu("4090").memory_bytes, utilization=0.98, **args)
+    assert tight.num_blocks > 0 and len(tight.warnings) == 1
+    assert "leaves 0.47 GiB beside the budget" in tight.warnings[0]
+    assert "Free memory on device" in tight.warnings[0]
+    assert tight.cuda_context_bytes == CUDA_CONTEXT_BYTES == round(0.51 * GIB)
 
 
 def test_overhead_switches():
-    assert overhead_bytes(1, cuda_graphs=False) == NON_TORCH_BYTES == 512 * MIB
-    assert overhead_bytes(2) == NON_TORCH_BYTES + NCCL_BYTES + CUDA_GRAPH_BYTES
+    """Non-torch memory always; NCCL buffers with tp > 1 over NVLink only (PCIe adds none:
+    2x RTX 4090 logged 0.25 GiB in all); CUDA graphs per layer unless eager or vLLM <= 0.20."""
+    assert overhead_bytes(LLAMA_8B, 1, cuda_graphs=False) == NON_TORCH_BYTES == 256 * MIB
+    graphs = 32 * CUDA_GRAPH_BYTES_PER_LAYER
+    assert overhead_bytes(LLAMA_8B, 2) == NON_TORCH_BYTES + NCCL_NVLINK_BYTES + graphs
+    assert overhead_bytes(LLAMA_8B, 2, nvlink=False) == NON_TORCH_BYTES + graphs
+    items = overheads(LLAMA_70B, 4)
+    assert (items.non_torch_bytes, items.nccl_bytes) == (NON_TORCH_BYTES, NCCL_NVLINK_BYTES)
+    assert items.cuda_graph_bytes == 80 * 28 * MIB
+    assert NCCL_NVLINK_BYTES == round(1.85 * GIB)
 
 
 def _engine_blocks(model_dir, kv_cache_memory: int) -> int:

@@ -87,7 +87,8 @@ def test_report_files_label_every_figure(tmp_path):
     assert html.count("datasheet estimate") >= 4 and "pending a gpu measurement" in html.lower()
     assert "data:image/png;base64," in html and "plan-scaling.png" in md
     blocks = report.plans[0].memory.num_blocks
-    assert "| RTX 4090 | 1 | 24.00 |" in md and f"| {blocks} |" in md
+    assert "| RTX 4090 | 1 | 24 | 23.52 |" in md and f"| {blocks} |" in md
+    assert "RTX 4090: torch: total capacity 23.52 GiB" in md and "23.52" in html
     assert "cloud API" in md and len(report.scaling["RTX 4090"]) == 5
     assert all(not math.isnan(m) for _, m in report.scaling["H100-SXM"])
 
@@ -278,3 +279,21 @@ def test_kv_cache_dtype_option(tmp_path):
         assert bad.exit_code == 2, bad.output
         assert bad.output.startswith("error: --kv-cache-dtype: unknown dtype"), bad.output
         assert not (tmp_path / "x.md").exists()
+
+
+def test_utilization_098_on_two_4090s_is_planned_with_a_warning(tmp_path):
+    """2x RTX 4090 at --utilization 0.98 is a setup vLLM ran (vllm issue #13061): planned, not
+    refused for a CUDA context the planner assumed; the report warns that vLLM >= 0.9.1 checks
+    the free memory at startup."""
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, _trace(2))
+    args = ["capacity", "report", "--model", "Qwen2.5-14B", "--trace", str(trace), "--gpus", "4090"]
+    out = tmp_path / "r.html"
+    run = CliRunner().invoke(app, [*args, "--tp", "2", "--utilization", "0.98", "-o", str(out)])
+    assert run.exit_code == 0, run.output
+    md = (tmp_path / "r.md").read_text()
+    assert "**Warning (RTX 4090, TP 2):** utilization 0.98 leaves 0.47 GiB" in md
+    refused = CliRunner().invoke(
+        app, [*args, "--tp", "2", "--utilization", "1", "-o", str(tmp_path / "s.html")]
+    )
+    assert refused.exit_code == 1 and "leaves nothing beside the budget" in refused.output
