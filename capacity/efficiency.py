@@ -63,15 +63,22 @@ class EfficiencyTable:
     link: float  # fraction of the one-way link bandwidth a ring all-reduce reaches
     basis: str = "default efficiencies"
     fitted_on: list[str] = field(default_factory=list)  # published case ids
+    # Other engines' kernels relative to vLLM's (ours follow vLLM's design): a factor on the
+    # GEMM, attention and memory efficiencies, fitted on their published cases. 1 = vLLM.
+    engines: dict[str, float] = field(default_factory=dict)
 
     def of(self, gpu: GpuSpec) -> Efficiency:
         return self.generations.get(GENERATION.get(gpu.name, ""), self.default)
 
-    def coefficients(self, gpu: GpuSpec, dtype: str, tp: int = 1) -> PerfCoefficients:
+    def coefficients(
+        self, gpu: GpuSpec, dtype: str, tp: int = 1, engine: str = "vllm"
+    ) -> PerfCoefficients:
         """The step-time coefficients of one GPU of a tp group serving weights of `dtype`.
         fp8 and int8 weights use the fp8/int8 tensor cores where the GPU has them; int4 and fp8
         on older GPUs are weight-only (dequantized to 16-bit for the GEMM)."""
         eff = self.of(gpu)
+        factor = self.engines.get(engine_key(engine), 1.0)
+        eff = Efficiency(eff.gemm * factor, min(eff.memory * factor, 1.0), eff.t_step)
         low_precision = dtype in ("fp8", "int8") and gpu.fp8_tflops
         peak = (gpu.fp8_tflops if low_precision else gpu.bf16_tflops) * 1e12
         gemm = eff.gemm * (self.fp8_gemm if low_precision else 1.0)
@@ -125,6 +132,12 @@ _SHARED_BOUNDS = {
 }
 
 
+def engine_key(engine: str) -> str:
+    """ "TensorRT-LLM (Triton tensorrtllm_backend)" -> "tensorrt-llm"; vLLM forks count as vLLM."""
+    key = (engine.split() or ["vllm"])[0].lower()
+    return "vllm" if key.endswith("vllm") else key
+
+
 def load_table(path: Path | None = None) -> EfficiencyTable:
     """The fitted table (default: the committed one), every field checked; DEFAULTS when the
     default file does not exist."""
@@ -140,11 +153,13 @@ def load_table(path: Path | None = None) -> EfficiencyTable:
     gens = data.mapping("generations")
     generations = {name: efficiency(gens.mapping(name)) for name in gens.data}
     shared = {k: data.number(k, *bounds) for k, bounds in _SHARED_BOUNDS.items()}
+    engines = data.mapping("engines") if "engines" in data.data else Fields.of({}, path)
     return EfficiencyTable(
         generations=generations,
         default=efficiency(data.mapping("default")),
         basis=data.text("basis") or "",
         fitted_on=[str(x) for x in data.data.get("fitted_on", [])],
+        engines={str(k): engines.number(k, 0.01, 10.0) for k in engines.data},
         **shared,
     )
 
@@ -156,17 +171,23 @@ def save_table(table: EfficiencyTable, path: Path) -> None:
 # --- the fit's view: a table as a vector of free parameters --------------------------------
 
 
-def parameter_names(generations: tuple[str, ...] = GENERATIONS) -> list[str]:
+def parameter_names(
+    generations: tuple[str, ...] = GENERATIONS, engines: tuple[str, ...] = ()
+) -> list[str]:
     names = [f"{g}.{k}" for g in generations for k in ("gemm", "memory", "t_step")]
-    return names + list(_SHARED_BOUNDS)
+    return names + list(_SHARED_BOUNDS) + [f"engine:{e}" for e in engines if e != "vllm"]
 
 
 def bounds_of(name: str) -> tuple[float, float]:
+    if name.startswith("engine:"):
+        return (0.01, 10.0)
     key = name.split(".")[-1]
     return _BOUNDS[key] if "." in name else _SHARED_BOUNDS[key]
 
 
 def get(table: EfficiencyTable, name: str) -> float:
+    if name.startswith("engine:"):
+        return table.engines.get(name.removeprefix("engine:"), 1.0)
     if "." in name:
         gen, key = name.split(".")
         return getattr(table.generations.get(gen, table.default), key)
@@ -175,14 +196,16 @@ def get(table: EfficiencyTable, name: str) -> float:
 
 def with_values(table: EfficiencyTable, values: dict[str, float]) -> EfficiencyTable:
     generations = dict(table.generations)
-    shared = {}
+    engines = dict(table.engines)
+    shared: dict = {}
     for name, value in values.items():
         if not math.isfinite(value):
             raise ValueError(f"{name} = {value}")
-        if "." in name:
+        if name.startswith("engine:"):
+            engines[name.removeprefix("engine:")] = value
+        elif "." in name:
             gen, key = name.split(".")
             generations[gen] = replace(generations.get(gen, table.default), **{key: value})
         else:
             shared[name] = value
-    return replace(table, generations=generations, **shared)
-
+    return replace(table, generations=generations, engines=engines, **shared)

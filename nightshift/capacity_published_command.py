@@ -1,0 +1,107 @@
+"""`nightshift capacity validate --published`: the planner's predictions next to published GPU
+serving results, each case's error, and the mean absolute error of the training and the held-out
+cases apart (`capacity/published.py`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from nightshift.cli_errors import fail, user_errors
+
+MAX_ERROR_PCT = 20.0  # the issue's bound for any case
+
+
+def validate_published(
+    cases_path: Path | None, fit_out: Path | None, table_path: Path | None, out: Path
+) -> None:
+    from capacity.efficiency import load_table, save_table
+    from capacity.gpus import GpuCatalogError
+    from capacity.memory import MemoryPlanError
+    from capacity.model_specs import ModelSpecError
+    from capacity.published import PUBLISHED_PATH, build_run, error_pct, fit_table, load_cases
+    from nightshift.capacity_commands import _outputs
+
+    _outputs({"-o": out, **({"--fit": fit_out} if fit_out else {})})
+    path = cases_path or PUBLISHED_PATH
+    with user_errors(GpuCatalogError, ModelSpecError, MemoryPlanError):
+        cases, skipped = load_cases(path)
+        table = load_table(table_path)
+        if not cases:
+            raise fail(f"{path}: no cases")
+        runs = [build_run(case, table) for case in cases]
+    if fit_out is not None:
+        table = fit_table(runs).table
+        save_table(table, fit_out)
+        runs = [build_run(run.case, table) if run.case.mode == "poisson" else run for run in runs]
+    rows = []
+    for run in runs:
+        case = run.case
+        rows.append(
+            {
+                "id": case.id,
+                "split": "held out" if case.held_out else "train",
+                "source": case.source,
+                "gpu": case.gpu,
+                "tp": case.tp,
+                "model": case.model,
+                "dtype": case.dtype,
+                "lengths": f"{case.input_len}/{case.output_len}",
+                "mode": case.mode if case.mode != "concurrency" else f"c={case.concurrency}",
+                "metric": case.metric,
+                "published": case.value,
+                "predicted": case.value * (1 + error_pct(run, table) / 100),
+                "error_pct": error_pct(run, table),
+            }
+        )
+    summary = _summary(rows)
+    _print(rows, summary, table.basis)
+    for s in skipped:
+        typer.echo(f"not simulated: {s.id}: {s.reason}")
+    result = {
+        "table": table.to_json(),
+        "cases": rows,
+        "summary": summary,
+        "not_simulated": [{"id": s.id, "reason": s.reason} for s in skipped],
+        "cases_file": str(path),
+    }
+    try:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    except OSError as exc:
+        raise fail(f"cannot write {out}: {exc.strerror or exc}") from None
+    typer.echo(f"wrote {out}" + (f" and {fit_out}" if fit_out else ""))
+
+
+def _summary(rows: list[dict]) -> dict:
+    def mae(split: str | None) -> dict:
+        errors = [abs(r["error_pct"]) for r in rows if split is None or r["split"] == split]
+        return {
+            "cases": len(errors),
+            "mae_pct": sum(errors) / len(errors) if errors else None,
+            "max_abs_error_pct": max(errors, default=None),
+        }
+
+    return {"train": mae("train"), "held_out": mae("held out"), "all": mae(None)}
+
+
+def _print(rows: list[dict], summary: dict, basis: str) -> None:
+    typer.echo(f"efficiency table: {basis}")
+    header = (
+        f"{'case':<44} {'split':<8} {'metric':<20} {'published':>10} {'predicted':>10} {'error':>7}"
+    )
+    typer.echo(header)
+    for r in rows:
+        flag = "  !" if abs(r["error_pct"]) > MAX_ERROR_PCT else ""
+        typer.echo(
+            f"{r['id'][:44]:<44} {r['split']:<8} {r['metric']:<20} {r['published']:>10.4g} "
+            f"{r['predicted']:>10.4g} {r['error_pct']:>+6.1f}%{flag}"
+        )
+    for split in ("train", "held_out", "all"):
+        s = summary[split]
+        if s["cases"]:
+            typer.echo(
+                f"{split.replace('_', ' ')}: {s['cases']} cases, MAE {s['mae_pct']:.1f}%, "
+                f"largest {s['max_abs_error_pct']:.1f}%"
+            )

@@ -1,0 +1,217 @@
+"""The published-results validation: cases read and checked, each simulated as it was run, the
+fast re-timing of a recorded schedule equal to a fresh simulation, and a fit that recovers a
+table from cases it generated itself."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from typer.testing import CliRunner
+
+from capacity.efficiency import DEFAULTS, Efficiency, load_table, with_values
+from capacity.gpus import find_gpu
+from capacity.published import (
+    PUBLISHED_PATH,
+    build_run,
+    fit_table,
+    load_cases,
+    predict,
+    vllm_defaults,
+)
+from nightshift.cli import app
+from workload.input_file import BadInputFile
+
+BASE = {
+    "id": "x",
+    "source": "test",
+    "url": "https://example.org",
+    "engine": "vLLM",
+    "engine_version": "0.10.0",
+    "model": "Llama-3.1-8B",
+    "planner_gpu": "H100-SXM",
+    "tp": 1,
+    "dtype": "bf16",
+    "input_len": 256,
+    "output_len": 32,
+    "num_requests": 24,
+    "mode": "batch",
+    "metric": "output_tokens_per_s",
+    "value": 1000.0,
+}
+
+
+def _write(tmp_path, records):
+    path = tmp_path / "cases.jsonl"
+    path.write_text("".join(json.dumps({**BASE, **r}) + "\n" for r in records))
+    return path
+
+
+def test_bundled_cases_load_with_sources():
+    cases, skipped = load_cases(PUBLISHED_PATH)
+    assert len(cases) >= 12
+    assert len({c.source.split(",")[0] for c in cases}) >= 3
+    assert all(c.url.startswith("https://") for c in cases)
+    assert sum(c.complete for c in cases) >= 12
+    assert all(s.reason for s in skipped)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mode": "burst"}, "mode must be one of"),
+        ({"metric": "speed"}, "metric must be one of"),
+        ({"value": 0}, "value must be positive"),
+        ({"mode": "concurrency"}, "needs concurrency"),
+        ({"input_len": "long"}, "input_len"),
+    ],
+)
+def test_bad_case_names_line_and_problem(tmp_path, change, message):
+    path = _write(tmp_path, [{}, {**change, "id": "y"}])
+    with pytest.raises(BadInputFile, match=message) as info:
+        load_cases(path)
+    assert ":2" in str(info.value)
+
+
+def test_duplicate_ids_refused(tmp_path):
+    with pytest.raises(BadInputFile, match="appears twice"):
+        load_cases(_write(tmp_path, [{}, {}]))
+
+
+def test_unpinned_gpu_is_skipped_with_reason(tmp_path):
+    cases, skipped = load_cases(_write(tmp_path, [{}, {"id": "y", "planner_gpu": None}]))
+    assert [c.id for c in cases] == ["x"] and skipped[0].id == "y"
+    assert "GPU" in skipped[0].reason
+
+
+def test_vllm_defaults_follow_version_and_gpu(tmp_path):
+    cases, _ = load_cases(_write(tmp_path, [{}]))
+    case = cases[0]
+    h100, a100 = find_gpu("H100"), find_gpu("A100-80GB")
+    assert vllm_defaults(case, h100) == (1024, 16384)
+    assert vllm_defaults(case, a100) == (256, 8192)
+    served = replace(case, mode="concurrency", concurrency=8)
+    assert vllm_defaults(served, h100) == (1024, 8192)
+    assert vllm_defaults(replace(case, engine_version="0.8.4"), h100) == (256, 8192)
+    old = replace(case, engine_version="0.6.3")
+    assert vllm_defaults(old, h100) == (256, 2048)
+
+
+OTHER = with_values(
+    DEFAULTS,
+    {"hopper.gemm": 0.45, "hopper.memory": 0.6, "hopper.t_step": 0.002, "t_row": 1e-5},
+)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"mode": "concurrency", "concurrency": 4, "metric": "mean_tpot_ms"},
+        {"metric": "mean_ttft_ms", "mode": "concurrency", "concurrency": 6},
+        {"mode": "single", "metric": "tokens_per_s_single"},
+        {"metric": "mean_batch_latency_ms", "concurrency": 8},
+        {"tp": 2, "metric": "total_tokens_per_s"},
+    ],
+)
+def test_retimed_schedule_equals_a_fresh_simulation(tmp_path, change):
+    # The fit re-times a recorded schedule under other coefficients; a new simulation under those
+    # coefficients must give the same figure (batch and closed-loop schedules do not depend on
+    # step times).
+    cases, _ = load_cases(_write(tmp_path, [change]))
+    recorded = build_run(cases[0], DEFAULTS)
+    fresh = build_run(cases[0], OTHER)
+    assert predict(recorded, OTHER) == pytest.approx(predict(fresh, OTHER), rel=1e-9)
+    assert predict(recorded, OTHER) != pytest.approx(predict(recorded, DEFAULTS), rel=1e-3)
+
+
+def test_fit_recovers_a_table_from_its_own_predictions(tmp_path):
+    # Cases whose "published" figures the model itself produced under a known table: the fit,
+    # started from the defaults, must find parameters that reproduce the figures.
+    truth = with_values(
+        DEFAULTS, {"hopper.gemm": 0.7, "hopper.memory": 0.85, "hopper.t_step": 0.0015}
+    )
+    shapes = [
+        {"input_len": 1024, "output_len": 8, "num_requests": 64},  # prefill: compute
+        {"input_len": 64, "output_len": 128, "num_requests": 8},  # small decode: memory
+        {
+            "input_len": 16,
+            "output_len": 64,
+            "num_requests": 1,
+            "mode": "single",
+            "metric": "tokens_per_s_single",
+        },  # fmt: skip
+        {"input_len": 512, "output_len": 64, "num_requests": 96},
+    ]
+    records = [{**s, "id": f"c{i}"} for i, s in enumerate(shapes)]
+    cases, _ = load_cases(_write(tmp_path, records))
+    runs = [build_run(c, DEFAULTS) for c in cases]
+    for run in runs:
+        run.case = replace(run.case, value=predict(run, truth))
+    train = [r for r in runs if not r.case.held_out]
+    assert train, "the ids chosen put every case in the held-out split"
+    fitted = fit_table(runs, rounds=1).table
+    for run in train:
+        assert predict(run, fitted) == pytest.approx(run.case.value, rel=0.03)
+    before = [abs(predict(r, DEFAULTS) / r.case.value - 1) for r in train]
+    assert max(before) > 0.05  # the defaults were wrong: the fit had something to find
+
+
+def test_committed_table_loads_and_names_its_cases():
+    table = load_table()
+    assert table.fitted_on, "capacity/data/efficiency.json lists the cases it was fitted on"
+    cases, _ = load_cases(PUBLISHED_PATH)
+    held_out = {c.id for c in cases if c.held_out}
+    assert held_out and not held_out & set(table.fitted_on)
+    for eff in table.generations.values():
+        assert isinstance(eff, Efficiency) and 0 < eff.gemm <= 1 and 0 < eff.memory <= 1
+
+
+def test_validate_published_cli(tmp_path):
+    path = _write(
+        tmp_path,
+        [{"id": "a"}, {"id": "b", "mode": "concurrency", "concurrency": 4, "value": 300.0}],
+    )
+    out, fit = tmp_path / "v.json", tmp_path / "eff.json"
+    result = CliRunner().invoke(
+        app,
+        [
+            "capacity",
+            "validate",
+            "--published",
+            "--cases",
+            str(path),
+            "--fit",
+            str(fit),
+            "-o",
+            str(out),
+        ],  # fmt: skip
+    )
+    assert result.exit_code == 0, result.output
+    assert "MAE" in result.output and "published" in result.output
+    data = json.loads(out.read_text())
+    assert {row["id"] for row in data["cases"]} == {"a", "b"}
+    assert data["summary"]["all"]["cases"] == 2
+    assert load_table(fit).fitted_on
+    again = CliRunner().invoke(
+        app,
+        [
+            "capacity",
+            "validate",
+            "--published",
+            "--cases",
+            str(path),
+            "--table",
+            str(fit),
+            "-o",
+            str(out),
+        ],  # fmt: skip
+    )
+    assert again.exit_code == 0, again.output
+
+
+def test_validate_without_traces_or_published_is_a_usage_error():
+    result = CliRunner().invoke(app, ["capacity", "validate"])
+    assert result.exit_code == 2
+    assert "--train" in result.output
