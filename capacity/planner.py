@@ -14,14 +14,22 @@ import numpy as np
 from capacity.calibrate import Calibration
 from capacity.efficiency import EfficiencyTable, load_table
 from capacity.gpus import GpuSpec
-from capacity.memory import MemoryPlan, MemoryPlanError, plan_memory
+from capacity.memory import (
+    WEIGHT_FORMATS,
+    MemoryPlan,
+    MemoryPlanError,
+    normalize_dtype,
+    plan_memory,
+)
 from capacity.model_specs import ModelSpec, ModelSpecError, check_tp
-from capacity.perf import PerfCoefficients, PerfModel, StepShape, model_costs
+from capacity.perf import Hardware, PerfCoefficients, PerfModel, StepShape, model_costs
 from capacity.simulate import EngineShape, Load, SimResult, simulate
 from workload.trace import TraceRecord
 
 MAX_REPLICAS = 256
 DAYS_PER_MONTH = 30
+# Tensor-parallel sizes tried when the asked one does not fit: the sizes one node offers.
+LARGER_TPS = (2, 4, 8)
 
 StepTime = Callable[[StepShape], float]
 
@@ -53,6 +61,9 @@ class GpuPlan:
     memory: MemoryPlan | None = None
     error: str | None = None  # why this GPU / tp cannot run the model
     basis: str = ""  # how the times were obtained
+    coefficients: PerfCoefficients | None = None  # the step-time model's, as assumed
+    hardware: Hardware | None = None  # the peaks the efficiencies are fractions of
+    fits_at_tp: int | None = None  # when this tp does not fit: the smallest of LARGER_TPS that does
     sim: SimResult | None = None
     replicas: int = 1  # tp groups needed to meet the deadline (1 without a deadline)
     replica_makespan_s: float = 0.0  # one replica's share of the batch
@@ -69,6 +80,14 @@ class GpuPlan:
     @property
     def cost_per_night(self) -> float:
         return self.gpu_hours * self.gpu.price_per_hour
+
+
+def datasheet_hardware(gpu: GpuSpec, dtype: str) -> Hardware:
+    """The GPU's datasheet peaks for weights of `dtype` (fp8 and int8 GEMMs on fp8 tensor cores
+    where it has them, as efficiency.py's coefficients assume)."""
+    low_precision = dtype in ("fp8", "int8") and gpu.fp8_tflops
+    tflops = gpu.fp8_tflops if low_precision else gpu.bf16_tflops
+    return Hardware(gpu.name, tflops * 1e12, gpu.bandwidth_gbps * 1e9, "datasheet")
 
 
 def request_lengths(trace: list[TraceRecord]) -> dict[str, int]:
@@ -125,24 +144,15 @@ def plan_gpu(
         return result
     try:
         check_tp(spec, tp)
-        result.memory = plan_memory(
-            spec,
-            gpu.memory_bytes,
-            dtype=settings.dtype,
-            kv_dtype=settings.kv_cache_dtype,
-            tp=tp,
-            utilization=settings.utilization,
-            block_size=settings.block_size,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_num_seqs=settings.max_num_seqs,
-            max_model_len=max_model_len,
-            nvlink=gpu.interconnect.lower().startswith("nvlink"),
-        )
+        result.memory = _memory(spec, gpu, tp, settings, max_model_len)
     except (MemoryPlanError, ModelSpecError) as exc:
         result.error = str(exc)
+        result.fits_at_tp = smallest_fitting_tp(spec, gpu, tp, settings, max_model_len)
         return result
     coefficients = coefficients_for(gpu, settings.dtype, calibration, tp)
     result.basis = coefficients.basis
+    result.coefficients = coefficients
+    result.hardware = datasheet_hardware(gpu, normalize_dtype(settings.dtype, WEIGHT_FORMATS))
     step_time = _step_time(spec, tp, settings.dtype, settings.kv_cache_dtype, coefficients)
     engine = EngineShape(
         num_blocks=result.memory.num_blocks,
@@ -158,6 +168,39 @@ def plan_gpu(
     result.replica_makespan_s = shard.makespan_s
     result.latency = _latency(result.sim)
     return result
+
+
+def _memory(
+    spec: ModelSpec, gpu: GpuSpec, tp: int, settings: PlanSettings, max_model_len: int
+) -> MemoryPlan:
+    return plan_memory(
+        spec,
+        gpu.memory_bytes,
+        dtype=settings.dtype,
+        kv_dtype=settings.kv_cache_dtype,
+        tp=tp,
+        utilization=settings.utilization,
+        block_size=settings.block_size,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=max_model_len,
+        nvlink=gpu.interconnect.lower().startswith("nvlink"),
+    )
+
+
+def smallest_fitting_tp(
+    spec: ModelSpec, gpu: GpuSpec, tp: int, settings: PlanSettings, max_model_len: int
+) -> int | None:
+    """The smallest tensor-parallel size of LARGER_TPS above tp that the model's heads divide
+    and whose memory plan fits, or None."""
+    for larger in (t for t in LARGER_TPS if t > tp):
+        try:
+            check_tp(spec, larger)
+            _memory(spec, gpu, larger, settings, max_model_len)
+        except (MemoryPlanError, ModelSpecError):
+            continue
+        return larger
+    return None
 
 
 def _step_time(

@@ -21,10 +21,19 @@ if TYPE_CHECKING:
 
 from capacity.calibrate import Calibration
 from capacity.gpus import GpuSpec
-from capacity.memory import GIB
+from capacity.memory import (
+    CUDA_CONTEXT_BYTES,
+    CUDA_GRAPH_BYTES_PER_LAYER,
+    GIB,
+    NCCL_NVLINK_BYTES,
+    NCCL_PCIE_BYTES,
+    NON_TORCH_BYTES,
+    SAMPLER_FLOAT32_COPIES,
+)
 from capacity.model_specs import ModelSpec
 from capacity.planner import (
     DAYS_PER_MONTH,
+    LARGER_TPS,
     GpuPlan,
     PlanSettings,
     api_cost,
@@ -118,32 +127,103 @@ def _fields(settings: PlanSettings) -> dict:
     return {name: getattr(settings, name) for name in settings.__slots__}
 
 
+def total_tokens_per_s(plan: GpuPlan) -> float | None:
+    """Input and output tokens of the batch over its makespan (one replica's whole batch)."""
+    sim = plan.sim
+    if sim is None or sim.makespan_s <= 0:
+        return None
+    return sum(r.input_length + r.output_length for r in sim.requests) / sim.makespan_s
+
+
+def requests_per_s(plan: GpuPlan) -> float | None:
+    sim = plan.sim
+    if sim is None or sim.makespan_s <= 0:
+        return None
+    return len(sim.requests) / sim.makespan_s
+
+
+def assumptions(plan: GpuPlan) -> dict | None:
+    """What the step times assume, as fractions of the datasheet peaks and seconds: the
+    coefficients of the performance model for this GPU and tp."""
+    c, hw = plan.coefficients, plan.hardware
+    if c is None or hw is None:
+        return None
+    compute, memory = c.efficiencies(hw)
+    return {
+        "basis": c.basis,
+        "peak_flops_per_s": hw.flops_per_s,  # the GEMMs' (fp8 tensor cores for fp8 weights)
+        "peak_bytes_per_s": hw.bytes_per_s,
+        "compute_efficiency": compute,
+        "attention_efficiency": 1.0 / (c.attention * plan.gpu.bf16_tflops * 1e12),  # of bf16
+        "memory_efficiency": memory,
+        "t_step_s": c.t_step,
+        "t_row_s": c.t_row,
+        "t_logit_s": c.t_logit,
+        "t_allreduce_s": c.t_allreduce,
+        "link_bytes_per_s": 1.0 / c.k_link if c.k_link > 0 else None,
+    }
+
+
+def tp_note(plan: GpuPlan) -> str:
+    """For a plan that does not fit: the smallest larger tensor-parallel size that does."""
+    if plan.memory is not None or plan.error is None or plan.error.startswith("--max-model-len"):
+        return ""
+    if plan.fits_at_tp is not None:
+        return f"Smallest TP that fits: {plan.fits_at_tp}."
+    larger = [str(t) for t in LARGER_TPS if t > plan.tp]
+    return f"No TP of {', '.join(larger)} fits either." if larger else ""
+
+
+MEMORY_CONSTANTS = {  # capacity/memory.py's, each with its source there
+    "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+    "non_torch_bytes": NON_TORCH_BYTES,
+    "nccl_nvlink_bytes": NCCL_NVLINK_BYTES,
+    "nccl_pcie_bytes": NCCL_PCIE_BYTES,
+    "cuda_graph_bytes_per_layer": CUDA_GRAPH_BYTES_PER_LAYER,
+    "sampler_float32_copies": SAMPLER_FLOAT32_COPIES,
+}
+
+
 def report_json(report: Report) -> dict:
     """Every table's figures, unrounded, for scripts (`capacity report --json FILE`). Times in
-    seconds, memory in bytes, money in USD; each plan says how its times were obtained."""
+    seconds, memory in bytes, money in USD; each plan says how its times were obtained and what
+    they assume."""
     requests = len(report.trace)
     plans = []
     for p in report.plans:
-        entry: dict = {"gpu": p.gpu.name, "tp": p.tp, "error": p.error, "basis": p.basis}
+        entry: dict = {
+            "gpu": p.gpu.name,
+            "tp": p.tp,
+            "error": p.error,
+            "fits_at_tp": p.fits_at_tp,
+            "basis": p.basis,
+            "gpu_memory": {
+                "datasheet_gb": p.gpu.memory_gb,
+                "cuda_bytes": p.gpu.memory_bytes,
+                "basis": p.gpu.memory_basis,
+            },
+        }
         if p.memory is not None:
             entry["memory"] = dataclasses.asdict(p.memory)
+        if (assumed := assumptions(p)) is not None:
+            entry["assumptions"] = assumed
         if p.sim is not None:
-            makespan = p.sim.makespan_s
             entry |= {
                 "replicas": p.replicas,
                 "gpus": p.gpus,
-                "makespan_s": makespan,
+                "makespan_s": p.sim.makespan_s,
                 "replica_makespan_s": p.replica_makespan_s,
+                "meets_deadline": (
+                    report.settings.deadline_s is None
+                    or p.replica_makespan_s <= report.settings.deadline_s
+                ),
                 "gpu_hours": p.gpu_hours,
+                "price_per_gpu_hour_usd": p.gpu.price_per_hour,
                 "cost_per_night_usd": p.cost_per_night,
                 "cost_per_month_usd": p.cost_per_night * DAYS_PER_MONTH,
                 "output_tokens_per_s": p.sim.output_tokens_per_s,
-                "total_tokens_per_s": (
-                    sum(r.input_length + r.output_length for r in p.sim.requests) / makespan
-                    if makespan > 0
-                    else None
-                ),
-                "requests_per_s": requests / makespan if makespan > 0 else None,
+                "total_tokens_per_s": total_tokens_per_s(p),
+                "requests_per_s": requests_per_s(p),
                 "preemptions": p.sim.preemptions,
                 "latency_s": p.latency,
             }
@@ -161,6 +241,11 @@ def report_json(report: Report) -> dict:
             "load": dataclasses.asdict(report.settings.load),
         },
         "api_cost_per_night_usd": report.api_cost_per_night,
+        "api_cost_per_month_usd": (
+            None if (api := report.api_cost_per_night) is None else api * DAYS_PER_MONTH
+        ),
+        "request_length_tokens": report.lengths,
+        "memory_constants": MEMORY_CONSTANTS,
         "plans": plans,
         "scaling_makespan_s": report.scaling,
     }
@@ -193,6 +278,13 @@ def render(report: Report, out: Path) -> list[Path]:
 def _context(report: Report) -> dict:
     return {
         "r": report,
+        "assumed": assumptions,
+        "total_tps": total_tokens_per_s,
+        "rps": requests_per_s,
+        "tp_note": tp_note,
+        "mem": MEMORY_CONSTANTS,
+        "pct": lambda x: "n/a" if x is None else f"{x * 100:.0f}%",
+        "num": lambda x, f="%.0f": "n/a" if x is None else f % x,
         "gib": lambda n: f"{n / GIB:.2f}",
         "hours": _duration,
         "money": lambda x: "n/a" if x is None else f"${x:,.2f}",

@@ -194,7 +194,7 @@ def report(
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
     from capacity.calibrate import load_calibration
     from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
-    from capacity.report import build_report, render, report_json
+    from capacity.report import build_report, render, report_json, tp_note
     from workload.synth import SynthError, synth_trace
     from workload.trace import block_size_option_problem, read_trace
 
@@ -243,7 +243,10 @@ def report(
     if all(plan.error for plan in result.plans):
         # The report says why each one fails; a script that asked "what fits?" learns "nothing".
         for plan in result.plans:
-            typer.echo(f"{plan.gpu.name} tp {plan.tp}: {plan.error}", err=True)
+            note = tp_note(plan)
+            typer.echo(
+                f"{plan.gpu.name} tp {plan.tp}: {plan.error}{' ' + note if note else ''}", err=True
+            )
         raise typer.Exit(1)
 
 

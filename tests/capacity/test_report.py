@@ -297,3 +297,97 @@ def test_utilization_098_on_two_4090s_is_planned_with_a_warning(tmp_path):
         app, [*args, "--tp", "2", "--utilization", "1", "-o", str(tmp_path / "s.html")]
     )
     assert refused.exit_code == 1 and "leaves nothing beside the budget" in refused.output
+
+
+def test_the_smallest_tp_that_fits_is_named():
+    """Llama-3.1-70B in bf16 (131 GiB of weights) fits no single GPU: the plan names the
+    smallest of tp 2, 4, 8 that fits each GPU (its heads divide them)."""
+    spec, trace = load_model_spec("Llama-3.1-70B"), _trace(2)
+    h100 = plan_gpu(spec, trace, find_gpu("H100"), 1, PlanSettings())
+    assert h100.memory is None and h100.fits_at_tp == 2
+    assert plan_gpu(spec, trace, find_gpu("4090"), 2, PlanSettings()).fits_at_tp == 8
+    assert plan_gpu(spec, trace, find_gpu("H100"), 2, PlanSettings()).fits_at_tp is None  # fits
+    from capacity.report import tp_note
+
+    assert tp_note(h100) == "Smallest TP that fits: 2."
+    # 405B-class weights fit no node of 4090s: said so.
+    huge = plan_gpu(spec, trace, find_gpu("4090"), 1, PlanSettings(dtype="fp32"))
+    assert huge.fits_at_tp is None and tp_note(huge) == "No TP of 2, 4, 8 fits either."
+
+
+def test_nothing_fits_names_the_tp_that_would(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, _trace(2))
+    args = ["capacity", "report", "--model", "Llama-3.1-70B", "--trace", str(trace)]
+    result = CliRunner().invoke(app, [*args, "--gpus", "H100", "-o", str(tmp_path / "r.html")])
+    assert result.exit_code == 1
+    assert "H100-SXM tp 1:" in result.output and "Smallest TP that fits: 2." in result.output
+    assert "**Smallest TP that fits: 2.**" in (tmp_path / "r.md").read_text()
+
+
+def test_report_shows_kv_per_token_assumptions_and_throughputs(tmp_path):
+    """The memory table gives KV bytes per token; "What the times assume" the plan's
+    coefficients (efficiencies against the datasheet peaks, per-step and per-row costs) and the
+    memory overheads; the batch table total tokens/s and requests/s."""
+    from capacity.report import assumptions, requests_per_s, total_tokens_per_s
+
+    spec = load_model_spec("Llama-3.1-8B")
+    settings = PlanSettings(max_num_seqs=64, max_num_batched_tokens=2048)
+    report = build_report(spec, _trace(), "t", [find_gpu("H100")], [1], settings)
+    render(report, tmp_path / "plan.html")
+    md, html = (tmp_path / "plan.md").read_text(), (tmp_path / "plan.html").read_text()
+    (plan,) = report.plans
+    assert plan.memory.kv_bytes_per_token == 128 * 1024
+    assert f"| {plan.memory.num_blocks} |" in md and "| 128 |" in md and "KV KiB/token" in html
+    a = assumptions(plan)
+    compute, memory = plan.coefficients.efficiencies(plan.hardware)
+    assert (a["compute_efficiency"], a["memory_efficiency"]) == (compute, memory)
+    assert a["t_step_s"] == plan.coefficients.t_step and a["t_row_s"] == plan.coefficients.t_row
+    assert plan.hardware.flops_per_s == 989e12 and plan.hardware.bytes_per_s == 3350e9
+    row = f"| H100-SXM | 1 | {compute * 100:.0f}% |"
+    assert "## What the times assume" in md and row in md and "What the times assume" in html
+    assert "non-torch memory 0.25 GiB" in md and "| H100-SXM | 1 | 0.25 | 0.00 | 0.88 |" in md
+    total, rps = total_tokens_per_s(plan), requests_per_s(plan)
+    assert total == pytest.approx(
+        sum(r.input_length + r.output_length for r in _trace()) / plan.sim.makespan_s
+    )
+    assert rps == pytest.approx(len(_trace()) / plan.sim.makespan_s)
+    assert f"| {total:.0f} | {rps:.2f} |" in md
+    # fp8 weights: the GEMM efficiency is of the fp8 peak
+    fp8 = plan_gpu(spec, _trace(), find_gpu("H100"), 1, PlanSettings(dtype="fp8"))
+    assert fp8.hardware.flops_per_s == 1979e12
+
+
+def test_json_has_every_table(tmp_path):
+    """--json: per plan the memory table (KV bytes per token, overheads item by item, the GPU's
+    CUDA memory and its source, warnings), the assumptions, the batch table and the cost table,
+    and for a plan that does not fit, the tp that would."""
+    import json
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(trace, _trace(2))
+    data = tmp_path / "r.json"
+    args = ["capacity", "report", "--model", "Llama-3.1-70B", "--trace", str(trace)]
+    args += ["--gpus", "H100", "--tp", "1,2", "--deadline", "1h", "--api-price-per-mtok", "1,2"]
+    result = CliRunner().invoke(app, [*args, "-o", str(tmp_path / "r.html"), "--json", data])
+    assert result.exit_code == 0, result.output
+    report = json.loads(data.read_text())
+    one, two = report["plans"]
+    assert one["error"] and one["fits_at_tp"] == 2 and "memory" not in one
+    assert two["gpu_memory"] == {
+        "datasheet_gb": 80,
+        "cuda_bytes": 81091 * 2**20,
+        "basis": find_gpu("H100").memory_basis,
+    }
+    memory = two["memory"]
+    assert memory["kv_bytes_per_token"] == 2 * 80 * 4 * 128 * 2
+    assert set(memory["overheads"]) == {"non_torch_bytes", "nccl_bytes", "cuda_graph_bytes"}
+    assert memory["warnings"] == [] and memory["cuda_context_bytes"] == round(0.51 * 2**30)
+    assert set(two["assumptions"]) >= {"compute_efficiency", "memory_efficiency", "t_step_s"}
+    for key in ("meets_deadline", "price_per_gpu_hour_usd", "total_tokens_per_s", "requests_per_s"):
+        assert key in two
+    assert report["api_cost_per_month_usd"] == pytest.approx(30 * report["api_cost_per_night_usd"])
+    assert report["memory_constants"]["non_torch_bytes"] == round(0.25 * 2**30)
+    from capacity.planner import request_lengths
+
+    assert report["request_length_tokens"] == request_lengths(_trace(2))
