@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 
 from capacity.perf import StepShape
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from workload.trace import TraceRecord
@@ -75,6 +75,42 @@ class Load:
         if self.mode == "concurrency":
             return replace(self, concurrency=max(1, math.ceil(self.concurrency / replicas)))
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """Speculative decoding as the engine runs it: after each sampling step a decoding request
+    proposes up to `num_tokens` drafts (n-gram lookup finds a match on `proposal_rate` of its
+    steps), verified in its next step as 1 + k tokens; each draft is accepted with one
+    probability, given the earlier ones were, chosen so that the accepted share of proposed
+    drafts is `acceptance_rate` (vLLM's spec-decode acceptance rate, as a recorded run's
+    /metrics give it). Seeded: the same run draws the same acceptances."""
+
+    num_tokens: int
+    acceptance_rate: float
+    proposal_rate: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError("speculation needs at least 1 draft token")
+        if not 0 <= self.acceptance_rate < 1:
+            raise ValueError(f"acceptance rate must be in [0, 1), not {self.acceptance_rate:g}")
+        if not 0 < self.proposal_rate <= 1:
+            raise ValueError(f"proposal rate must be in (0, 1], not {self.proposal_rate:g}")
+
+    @property
+    def per_draft(self) -> float:
+        """The per-position acceptance q with (q + q^2 + ... + q^k) / k = acceptance_rate."""
+        k, target = self.num_tokens, self.acceptance_rate
+        low, high = 0.0, 1.0
+        for _ in range(60):
+            q = (low + high) / 2
+            if sum(q**j for j in range(1, k + 1)) / k < target:
+                low = q
+            else:
+                high = q
+        return (low + high) / 2
 
 
 @dataclass(slots=True)
@@ -164,9 +200,10 @@ def simulate(
     keep_schedule: bool = False,
     vocab: int = 32000,
     load: Load | None = None,
+    speculation: Speculation | None = None,
 ) -> SimResult:
     """Run the trace to completion. Arrivals as `load` says; without one, at timestamp /
-    time_scale, or all at 0 (batch)."""
+    time_scale, or all at 0 (batch). With `speculation`, decoding requests verify drafts."""
     load = load or Load("batch" if batch else "trace")
     kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
     config = SchedulerConfig(
@@ -178,6 +215,8 @@ def simulate(
     closed_loop = load.mode == "concurrency"
     in_flight = 0
     clock, steps, result = 0.0, 0, SimResult(sims, 0.0, 0, 0)
+    rng = random.Random(speculation.seed) if speculation else None
+    q = speculation.per_draft if speculation else 0.0
     while pending or scheduler.has_unfinished():
         if closed_loop:
             # The next request goes out as soon as one of the `concurrency` finishes.
@@ -198,18 +237,52 @@ def simulate(
         steps += 1
         if keep_schedule:
             result.schedule.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
-        sampled = {s.request.request_id: [_TOKEN] for s in out.scheduled if s.samples}
+        sampled = {
+            s.request.request_id: [_TOKEN] * (1 + _accepted(len(s.spec_token_ids), q, rng))
+            for s in out.scheduled
+            if s.samples
+        }
         for rid in sampled:
             if by_id[rid].first_token_s is None:
                 by_id[rid].first_token_s = clock
         for request in scheduler.update(out, sampled):
             by_id[request.request_id].finish_s = clock
             in_flight -= 1
+        if speculation is not None:
+            _propose(out, speculation, engine.max_model_len, rng)
         result.kv_usage.append((clock, kv.usage()))
     first = min((s.arrival_s for s in sims), default=0.0)
     result.makespan_s, result.steps = clock - first, steps
     result.preemptions = scheduler.num_preemptions
     return result
+
+
+def _accepted(drafts: int, q: float, rng: random.Random | None) -> int:
+    """How many of a verification's drafts are accepted: each with probability q, until the
+    first rejection."""
+    accepted = 0
+    while accepted < drafts and rng is not None and rng.random() < q:
+        accepted += 1
+    return accepted
+
+
+def _propose(
+    out: SchedulerOutput, speculation: Speculation, max_model_len: int, rng: random.Random
+) -> None:
+    """Drafts for the next step, as EngineCore._propose makes them: for requests that just
+    sampled and keep decoding, never past max_tokens or max_model_len."""
+    for s in out.scheduled:
+        r = s.request
+        if not s.samples or r.status != RequestStatus.RUNNING:
+            continue
+        if rng.random() >= speculation.proposal_rate:
+            continue
+        k = min(
+            speculation.num_tokens,
+            r.max_tokens - len(r.output_token_ids) - 1,
+            max_model_len - r.num_tokens - 1,
+        )
+        r.spec_token_ids = [_TOKEN] * max(0, k)
 
 
 def _arrivals(trace: list[TraceRecord], load: Load, time_scale: float) -> list[float]:
