@@ -23,7 +23,7 @@ from capacity.memory import (
 )
 from capacity.model_specs import ModelSpec, ModelSpecError, check_tp
 from capacity.perf import Hardware, PerfCoefficients, PerfModel, StepShape, model_costs
-from capacity.simulate import EngineShape, Load, SimResult, simulate
+from capacity.simulate import EngineShape, Load, SimResult, Speculation, simulate
 from workload.trace import TraceRecord
 
 MAX_REPLICAS = 256
@@ -52,6 +52,8 @@ class PlanSettings:
     # The KV cache's dtype (fp8, int8: 1 byte; bf16, fp16: 2; fp32: 4); None: the compute dtype
     # (vLLM's --kv-cache-dtype auto).
     kv_cache_dtype: str | None = None
+    # Speculative decoding as the server runs it (the digest's local server: n-gram), or None.
+    speculation: Speculation | None = None
 
 
 @dataclass(slots=True)
@@ -161,10 +163,10 @@ def plan_gpu(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=max_model_len,
     )
-    result.sim = simulate(trace, step_time, engine, load=settings.load)
-    result.replicas, shard = _replicas(
-        trace, step_time, engine, result.sim, settings.deadline_s, settings.load
+    result.sim = simulate(
+        trace, step_time, engine, load=settings.load, speculation=settings.speculation
     )
+    result.replicas, shard = _replicas(trace, step_time, engine, result.sim, settings)
     result.replica_makespan_s = shard.makespan_s
     result.latency = _latency(result.sim)
     return result
@@ -214,16 +216,22 @@ def _replicas(
     step_time: StepTime,
     engine: EngineShape,
     whole: SimResult,
-    deadline_s: float | None,
-    load: Load,
+    settings: PlanSettings,
 ) -> tuple[int, SimResult]:
     """The fewest replicas whose share of the batch (every n-th request, and its share of the
     load's rate or concurrency) ends by the deadline."""
+    deadline_s = settings.deadline_s
     if deadline_s is None or whole.makespan_s <= deadline_s:
         return 1, whole
     replicas = max(2, math.ceil(whole.makespan_s / deadline_s))
     while replicas <= MAX_REPLICAS:
-        shard = simulate(trace[::replicas], step_time, engine, load=load.split(replicas))
+        shard = simulate(
+            trace[::replicas],
+            step_time,
+            engine,
+            load=settings.load.split(replicas),
+            speculation=settings.speculation,
+        )
         if shard.makespan_s <= deadline_s:
             return replicas, shard
         replicas += 1

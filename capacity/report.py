@@ -40,6 +40,7 @@ from capacity.planner import (
     plan_gpu,
     request_lengths,
 )
+from capacity.search import SearchResult, search_settings
 from workload.synth import synth_trace
 from workload.trace import TraceRecord
 
@@ -65,6 +66,8 @@ class Report:
     lengths: dict[str, int]
     scaling: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # gpu -> points
     generated_at: str = ""
+    # With --search: per plan that fits, the grid of engine settings and the best point.
+    searches: list[tuple[GpuPlan, SearchResult]] = field(default_factory=list)
 
     @property
     def papers(self) -> int:
@@ -80,6 +83,8 @@ def build_report(
     tps: list[int],
     settings: PlanSettings,
     calibration: Calibration | None = None,
+    *,
+    search: bool = False,
 ) -> Report:
     plans = [plan_gpu(spec, trace, gpu, tp, settings, calibration) for gpu in gpus for tp in tps]
     report = Report(
@@ -96,7 +101,54 @@ def build_report(
     report.scaling = _scaling(
         spec, trace, [p for p in plans if p.tp == tps[0]], settings, calibration
     )
+    if search:
+        report.searches = [
+            (p, search_settings(spec, trace, p.gpu, p.tp, settings, calibration))
+            for p in plans
+            if p.sim is not None
+        ]
     return report
+
+
+def search_rows(report: Report) -> list[dict]:
+    """Per plan searched: the asked settings' figures next to the best grid point's."""
+    rows = []
+    for plan, result in report.searches:
+        best = result.best
+        rows.append(
+            {
+                "gpu": plan.gpu.name,
+                "tp": plan.tp,
+                "asked": {
+                    "max_num_seqs": report.settings.max_num_seqs,
+                    "max_num_batched_tokens": report.settings.max_num_batched_tokens,
+                    "gpus": plan.gpus,
+                    "replica_makespan_s": plan.replica_makespan_s,
+                    "output_tokens_per_s": plan.sim.output_tokens_per_s if plan.sim else None,
+                },
+                "best": None
+                if best is None
+                else {
+                    "max_num_seqs": best.max_num_seqs,
+                    "max_num_batched_tokens": best.max_num_batched_tokens,
+                    "gpus": best.plan.gpus,
+                    "replica_makespan_s": best.plan.replica_makespan_s,
+                    "output_tokens_per_s": best.plan.sim.output_tokens_per_s,
+                },
+                "grid": [
+                    {
+                        "max_num_seqs": pt.max_num_seqs,
+                        "max_num_batched_tokens": pt.max_num_batched_tokens,
+                        "error": pt.plan.error,
+                        "gpus": pt.plan.gpus if pt.fits else None,
+                        "makespan_s": pt.plan.sim.makespan_s if pt.fits else None,
+                        "replica_makespan_s": pt.plan.replica_makespan_s if pt.fits else None,
+                    }
+                    for pt in result.points
+                ],
+            }
+        )
+    return rows
 
 
 def _scaling(
@@ -237,8 +289,17 @@ def report_json(report: Report) -> dict:
         # tokens per hash_ids block of the trace (the prompts' sharing), not the KV block size
         "hash_block_size": report.trace[0].hash_block_size if report.trace else None,
         "settings": {
-            **{k: v for k, v in _fields(report.settings).items() if k != "load"},
+            **{
+                k: v
+                for k, v in _fields(report.settings).items()
+                if k not in ("load", "speculation")
+            },
             "load": dataclasses.asdict(report.settings.load),
+            "speculation": (
+                None
+                if report.settings.speculation is None
+                else dataclasses.asdict(report.settings.speculation)
+            ),
         },
         "api_cost_per_night_usd": report.api_cost_per_night,
         "api_cost_per_month_usd": (
@@ -248,6 +309,7 @@ def report_json(report: Report) -> dict:
         "memory_constants": MEMORY_CONSTANTS,
         "plans": plans,
         "scaling_makespan_s": report.scaling,
+        "search": search_rows(report),
     }
 
 
@@ -282,6 +344,7 @@ def _context(report: Report) -> dict:
         "total_tps": total_tokens_per_s,
         "rps": requests_per_s,
         "tp_note": tp_note,
+        "searched": search_rows(report),
         "mem": MEMORY_CONSTANTS,
         "pct": lambda x: "n/a" if x is None else f"{x * 100:.0f}%",
         "num": lambda x, f="%.0f": "n/a" if x is None else f % x,

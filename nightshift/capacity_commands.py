@@ -190,6 +190,22 @@ def report(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also every figure, unrounded, as JSON.")
     ] = None,
+    speculative_tokens: Annotated[
+        int,
+        typer.Option(help="Speculative decoding: draft tokens per step (0: none; the digest: 4)."),
+    ] = 0,
+    spec_acceptance: Annotated[
+        float | None,
+        typer.Option(help="With --speculative-tokens: accepted share of drafts (vLLM's rate)."),
+    ] = None,
+    spec_proposal_rate: Annotated[
+        float,
+        typer.Option(help="With --speculative-tokens: share of decode steps that propose."),
+    ] = 1.0,
+    search: Annotated[
+        bool,
+        typer.Option("--search", help="Also search max_num_seqs x max_num_batched_tokens per GPU."),
+    ] = False,
 ) -> None:
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
     from capacity.calibrate import load_calibration
@@ -207,6 +223,7 @@ def report(
         kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
         load=_load(mode, rate, concurrency, seed),
         max_model_len=max_model_len,
+        speculation=_speculation(speculative_tokens, spec_acceptance, spec_proposal_rate, seed),
         **_prices(api_price_per_mtok),
     )
     tps = _ints(tp, "--tp")
@@ -227,7 +244,7 @@ def report(
     # Drawn papers combine recorded lengths: an input and an output that each fit may not together.
     if papers is not None and (problem := next(filter(None, map(fits, source)), None)):
         raise fail(f"a paper drawn from {path}: {problem}; try another --seed")
-    result = build_report(spec, source, note, chosen, tps, settings, cal)
+    result = build_report(spec, source, note, chosen, tps, settings, cal, search=search)
     try:
         written = render(result, out)
     except OSError as exc:
@@ -248,6 +265,26 @@ def report(
                 f"{plan.gpu.name} tp {plan.tp}: {plan.error}{' ' + note if note else ''}", err=True
             )
         raise typer.Exit(1)
+
+
+def _speculation(tokens: int, acceptance: float | None, proposal_rate: float, seed: int):
+    from capacity.simulate import Speculation
+
+    if tokens == 0:
+        if acceptance is not None:
+            raise fail("--spec-acceptance needs --speculative-tokens K (K >= 1)")
+        return None
+    if tokens < 0:
+        raise fail(f"--speculative-tokens must be >= 0, not {tokens}")
+    if acceptance is None:
+        raise fail(
+            "--speculative-tokens needs --spec-acceptance, the accepted share of drafts "
+            "(a recorded run's vllm:spec_decode_num_accepted_tokens / num_draft_tokens)"
+        )
+    try:
+        return Speculation(tokens, acceptance, proposal_rate, seed)
+    except ValueError as exc:
+        raise fail(f"--spec-acceptance / --spec-proposal-rate: {exc}") from None
 
 
 def _load(mode: str, rate: float | None, concurrency: int | None, seed: int):
@@ -337,8 +374,29 @@ def _prices(text: str | None) -> dict:
 
 @capacity_app.command("validate")
 def validate(
-    train: Annotated[Path, typer.Option(help="Trace replayed while profiling (calibration).")],
-    test: Annotated[Path, typer.Option(help="A different trace: predicted, then replayed.")],
+    train: Annotated[
+        Path | None, typer.Option(help="Trace replayed while profiling (calibration).")
+    ] = None,
+    test: Annotated[
+        Path | None, typer.Option(help="A different trace: predicted, then replayed.")
+    ] = None,
+    published: Annotated[
+        bool,
+        typer.Option(
+            "--published",
+            help="Instead: predict published GPU results (--cases) and print each error.",
+        ),
+    ] = False,
+    cases: Annotated[
+        Path | None, typer.Option(help="--published: the cases (default: the bundled ones).")
+    ] = None,
+    fit: Annotated[
+        Path | None,
+        typer.Option(help="--published: fit the efficiency table on the training cases, here."),
+    ] = None,
+    table: Annotated[
+        Path | None, typer.Option(help="--published: the efficiency table to check.")
+    ] = None,
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
     num_kv_blocks: Annotated[int, typer.Option()] = 1200,
     max_num_seqs: Annotated[int, typer.Option()] = 16,
@@ -349,10 +407,17 @@ def validate(
     ),
     out: Annotated[Path, typer.Option("-o", "--out")] = Path("capacity-validation.json"),
 ) -> None:
-    """Calibrate on one trace's replay, predict another's, replay it, print the errors."""
+    """Calibrate on one trace's replay, predict another's, replay it, print the errors; or,
+    with --published, predict published GPU results."""
     from capacity.validate import ValidationSettings, run_validation
     from workload.trace import read_trace
 
+    if published:
+        from nightshift.capacity_published_command import validate_published
+
+        return validate_published(cases, fit, table, out)
+    if train is None or test is None:
+        raise fail("validate needs --train and --test traces (or --published)")
     _outputs({"-o": out}, {"--workdir": workdir})
     if min(num_kv_blocks, max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
         raise fail(
