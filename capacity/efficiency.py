@@ -26,18 +26,21 @@ from workload.input_file import Fields, read_json
 
 TABLE_PATH = Path(__file__).parent / "data" / "efficiency.json"
 
-# Which generation each catalogue GPU belongs to (a GPU of a user file: "other", the defaults).
+# Which chip family each catalogue GPU belongs to (a GPU of a user file: "other", the defaults):
+# the families differ in tensor-core generation and in memory (HBM or GDDR), which is what the
+# efficiencies depend on. The A10G (GA102, GDDR6) is Ampere like the A100 (GA100, HBM2e) but
+# not its memory system.
 GENERATION = {
     "RTX 4090": "ada",
     "L4": "ada",
     "L40S": "ada",
-    "A10G": "ampere",
+    "A10G": "ampere-gddr",
     "A100-40GB": "ampere",
     "A100-80GB": "ampere",
     "H100-SXM": "hopper",
     "H200": "hopper",
 }
-GENERATIONS = ("ada", "ampere", "hopper")
+GENERATIONS = ("ada", "ampere-gddr", "ampere", "hopper")
 NVLINK_PREFIX = "nvlink"
 
 

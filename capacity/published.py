@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from capacity.efficiency import (
     DEFAULTS,
+    GENERATION,
     EfficiencyTable,
     bounds_of,
+    engine_key,
     get,
     parameter_names,
     with_values,
@@ -56,7 +58,8 @@ METRICS = (
 MODES = ("batch", "concurrency", "poisson", "single")
 HELD_OUT_EVERY = 3  # one case in three (by a hash of its id) is held out of the fit
 MAX_REQUESTS = 4000  # a larger published run is simulated with this many (steady state)
-PRIOR_WEIGHT = 0.02  # pull of the defaults, in squared log units per parameter
+PRIOR_WEIGHT = 0.02
+RESTARTS = 8  # pull of the defaults, in squared log units per parameter
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +237,16 @@ def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = N
         max_num_batched_tokens=tokens,
         max_num_seqs=seqs,
         max_model_len=max_model_len,
+        # vLLM >= 0.21 takes its CUDA graphs out of the budget; earlier ones (and other engines)
+        # allocated them beside it.
+        cuda_graphs=engine_key(case.engine) == "vllm" and _version(case.engine_version) >= (0, 21),
+        nvlink=gpu.interconnect.lower().startswith("nvlink"),
     )
+    if engine_key(case.engine) == "tensorrt-llm":
+        # TensorRT-LLM's default capacity scheduler (GUARANTEED_NO_EVICT) admits a request only
+        # when the KV for its whole output is free: no preemption, at most pool / length
+        # requests at once (vLLM admits on the prompt and preempts when decodes outgrow it).
+        seqs = max(1, min(seqs, memory.num_tokens // length))
     engine = EngineShape(memory.num_blocks, 16, seqs, tokens, max_model_len)
     n = _num_requests(case)
     trace = [TraceRecord(0.0, case.input_len, case.output_len) for _ in range(n)]
@@ -391,9 +403,13 @@ def fit_table(
     if not train:
         raise ValueError("no training cases")
     generations = tuple(sorted({_generation(r.gpu) for r in train} - {""}))
-    from capacity.efficiency import engine_key
-
-    names = parameter_names(generations, tuple(sorted({engine_key(r.case.engine) for r in train})))
+    names = [
+        n
+        for n in parameter_names(
+            generations, tuple(sorted({engine_key(r.case.engine) for r in train}))
+        )
+        if _constrained(n, train)
+    ]
     table = start
     for gen in generations:  # every generation starts from the defaults' fractions
         if gen not in table.generations:
@@ -402,20 +418,37 @@ def fit_table(
     for round_ in range(rounds):
         if round_:
             train = [_rerun(r, table) if r.case.mode == "poisson" else r for r in train]
-        table = _nelder_mead(train, table, names, start)
+        # Nelder-Mead stalls in many dimensions: restart from its own result until it stops
+        # improving.
+        best = _objective(train, table, names, start)
+        for _ in range(RESTARTS):
+            table = _nelder_mead(train, table, names, start)
+            value = _objective(train, table, names, start)
+            if value > best - 1e-6:
+                break
+            best = value
     ids = [r.case.id for r in train]
     basis = f"fitted on {len(ids)} published cases"
-    table = with_values(table, {})
-    from dataclasses import replace
-
     table = replace(table, basis=basis, fitted_on=ids)
     test = [r.case.id for r in runs if r.case.held_out]
     return FitResult(table, ids, test, rounds)
 
 
-def _generation(gpu: GpuSpec) -> str:
-    from capacity.efficiency import GENERATION
+def _constrained(name: str, runs: list[CaseRun]) -> bool:
+    """Whether any training case depends on the parameter: the all-reduce terms need a TP case
+    over that link; the rest every case has."""
+    tp = [r for r in runs if r.case.tp > 1]
+    nvlink = [r for r in tp if r.gpu.interconnect.lower().startswith("nvlink")]
+    if name == "allreduce_nvlink_s":
+        return bool(nvlink)
+    if name == "allreduce_pcie_s":
+        return len(nvlink) < len(tp)
+    if name == "link":
+        return bool(tp)
+    return True
 
+
+def _generation(gpu: GpuSpec) -> str:
     return GENERATION.get(gpu.name, "")
 
 
@@ -450,7 +483,7 @@ def _nelder_mead(runs, table, names, start, iterations: int = 1500) -> Efficienc
         values = {}
         for name, v in zip(names, x):
             low, high = bounds_of(name)
-            values[name] = min(max(math.exp(v), low), high)
+            values[name] = min(max(math.exp(min(v, 50.0)), low), high)
         return with_values(table, values)
 
     def f(x: np.ndarray) -> float:
