@@ -67,7 +67,8 @@ class EfficiencyTable:
     basis: str = "default efficiencies"
     fitted_on: list[str] = field(default_factory=list)  # published case ids
     # Other engines' kernels relative to vLLM's (ours follow vLLM's design): a factor on the
-    # GEMM, attention and memory efficiencies, fitted on their published cases. 1 = vLLM.
+    # GEMM (and so attention) efficiency, fitted on their published cases; 1 = vLLM. Memory-bound
+    # decode reads the same bytes in any engine, so the bandwidth efficiency is the GPU's.
     engines: dict[str, float] = field(default_factory=dict)
 
     def of(self, gpu: GpuSpec) -> Efficiency:
@@ -81,7 +82,7 @@ class EfficiencyTable:
         on older GPUs are weight-only (dequantized to 16-bit for the GEMM)."""
         eff = self.of(gpu)
         factor = self.engines.get(engine_key(engine), 1.0)
-        eff = Efficiency(eff.gemm * factor, min(eff.memory * factor, 1.0), eff.t_step)
+        eff = Efficiency(min(eff.gemm * factor, 1.0), eff.memory, eff.t_step)
         low_precision = dtype in ("fp8", "int8") and gpu.fp8_tflops
         peak = (gpu.fp8_tflops if low_precision else gpu.bf16_tflops) * 1e12
         gemm = eff.gemm * (self.fp8_gemm if low_precision else 1.0)
@@ -108,9 +109,10 @@ class EfficiencyTable:
 
 # Before any fit: fractions well-tuned engines are commonly said to reach (dense GEMMs at 60% of
 # the 16-bit peak, decode at 75% of the bandwidth), 4 ms of host overhead per step, fp8 at the
-# same fraction as 16-bit, attention at the GEMMs' efficiency, no sampler or all-reduce latency
-# terms, and the ring at full link bandwidth. These were the planner's only numbers before the
-# published fit; they are kept as the fallback and as the fit's starting point.
+# same fraction as 16-bit, attention at the GEMMs' efficiency, no sampler or NVLink all-reduce
+# latency terms, a measured PCIe all-reduce latency, and the ring at full link bandwidth. They
+# were the planner's only numbers before the published fit; they are kept as the fallback and as
+# the fit's starting point.
 DEFAULTS = EfficiencyTable(
     generations={},
     default=Efficiency(gemm=0.6, memory=0.75, t_step=0.004),
@@ -119,7 +121,10 @@ DEFAULTS = EfficiencyTable(
     t_row=0.0,
     t_logit=0.0,
     allreduce_nvlink_s=0.0,
-    allreduce_pcie_s=0.0,
+    # One small all-reduce over PCIe: 42.14 us for 8 bytes on 8 RTX 4090s (NCCL all_reduce_perf,
+    # out-of-place; NVIDIA/nccl issue #1530). Published serving results with TP over PCIe are
+    # too few to fit it.
+    allreduce_pcie_s=42e-6,
     link=1.0,
 )
 
