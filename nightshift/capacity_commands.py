@@ -199,15 +199,19 @@ def report(
         typer.Option(help="With --speculative-tokens: accepted share of drafts (vLLM's rate)."),
     ] = None,
     spec_proposal_rate: Annotated[
-        float,
-        typer.Option(help="With --speculative-tokens: share of decode steps that propose."),
-    ] = 1.0,
+        float | None,
+        typer.Option(
+            help="With --speculative-tokens: share of decode steps that propose (default 1)."
+        ),
+    ] = None,
     search: Annotated[
         bool,
         typer.Option("--search", help="Also search max_num_seqs x max_num_batched_tokens per GPU."),
     ] = False,
 ) -> None:
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
+    import numpy as np
+
     from capacity.calibrate import load_calibration
     from capacity.gpus import GpuCatalogError, find_gpu, load_gpus
     from capacity.report import build_report, render, report_json, tp_note
@@ -215,18 +219,29 @@ def report(
     from workload.trace import block_size_option_problem, read_trace
 
     _outputs({"-o": out, **({"--json": json_out} if json_out else {})})
+    _json_apart(out, json_out)
     if problem := block_size_option_problem(block_size):
         raise fail(problem)
+    if seed < 0:  # the simulation's and synth's generators take only non-negative seeds
+        raise fail(f"--seed must be >= 0, not {seed}")
     settings = replace(
         _settings(dtype, max_num_seqs, max_num_batched_tokens, utilization),
-        deadline_s=_seconds(deadline) if deadline else None,
+        deadline_s=_seconds(deadline) if deadline is not None else None,
         kv_cache_dtype=_kv_cache_dtype(kv_cache_dtype),
         load=_load(mode, rate, concurrency, seed),
         max_model_len=max_model_len,
         speculation=_speculation(speculative_tokens, spec_acceptance, spec_proposal_rate, seed),
         **_prices(api_price_per_mtok),
     )
+    if settings.speculation and settings.speculation.num_tokens >= max_num_batched_tokens:
+        raise fail(
+            f"--speculative-tokens {speculative_tokens}: a decoding request verifies 1 + "
+            f"{speculative_tokens} tokens in one step, more than --max-num-batched-tokens "
+            f"{max_num_batched_tokens}"
+        )
     tps = _ints(tp, "--tp")
+    if not [name for name in gpus.split(",") if name.strip()]:
+        raise fail(f"--gpus must name at least one GPU, not {gpus!r}")
     spec = _spec(model)
     fits = _fits(spec.max_position_embeddings, f"{spec.name}'s context")
     path = trace or DEFAULT_TRACE
@@ -244,7 +259,10 @@ def report(
     # Drawn papers combine recorded lengths: an input and an output that each fit may not together.
     if papers is not None and (problem := next(filter(None, map(fits, source)), None)):
         raise fail(f"a paper drawn from {path}: {problem}; try another --seed")
-    result = build_report(spec, source, note, chosen, tps, settings, cal, search=search)
+    _check_max_model_len(max_model_len, source, spec)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflowing times: _finite_times
+        result = build_report(spec, source, note, chosen, tps, settings, cal, search=search)
+    _finite_times(result, calibration, gpu_file)
     try:
         written = render(result, out)
     except OSError as exc:
@@ -267,12 +285,61 @@ def report(
         raise typer.Exit(1)
 
 
-def _speculation(tokens: int, acceptance: float | None, proposal_rate: float, seed: int):
+def _json_apart(out: Path, json_out: Path | None) -> None:
+    """--json must not be one of the files -o writes (the .html, the .md, the plots): the JSON,
+    written last, would replace it."""
+    if json_out is None:
+        return
+    written = [out.with_suffix(".html"), out.with_suffix(".md")]
+    written += [out.with_name(f"{out.stem}-{name}.png") for name in ("scaling", "kv")]
+    if json_out.resolve() in {path.resolve() for path in written}:
+        raise fail(f"--json {json_out} is one of the files -o {out} writes; give another name")
+
+
+def _check_max_model_len(max_model_len: int | None, trace: list, spec: ModelSpec) -> None:
+    """--max-model-len against the workload and the model, before any work: a bad one is the
+    option's mistake on every GPU, not something a larger GPU would fix."""
+    if max_model_len is None:
+        return
+    if max_model_len > spec.max_position_embeddings:
+        raise fail(
+            f"--max-model-len {max_model_len} exceeds {spec.name}'s context "
+            f"(max_position_embeddings {spec.max_position_embeddings})"
+        )
+    longest = max(r.input_length + r.output_length for r in trace)
+    if max_model_len < longest:
+        raise fail(
+            f"--max-model-len {max_model_len} is shorter than the workload's longest request "
+            f"({longest} tokens, prompt and output)"
+        )
+
+
+def _finite_times(result, calibration: Path | None, gpu_file: Path | None) -> None:
+    """A calibration or GPU file with extreme figures (a k_memory of 1e300) makes step times
+    overflow: an infinite makespan would be written as 'Infinity' (not JSON) and as a plan that
+    'meets' the deadline. Refused before anything is written."""
+    for plan in result.plans:
+        if plan.sim is not None and not math.isfinite(plan.sim.makespan_s):
+            given = " or ".join(
+                f"{option} {path}"
+                for option, path in (("--calibration", calibration), ("--gpu-file", gpu_file))
+                if path is not None
+            )
+            raise fail(
+                f"{plan.gpu.name} tp {plan.tp}: the simulated makespan is "
+                f"{plan.sim.makespan_s}; the step times overflow"
+                + (f" (check the coefficients in {given})" if given else "")
+            )
+
+
+def _speculation(tokens: int, acceptance: float | None, proposal_rate: float | None, seed: int):
     from capacity.simulate import Speculation
 
     if tokens == 0:
         if acceptance is not None:
             raise fail("--spec-acceptance needs --speculative-tokens K (K >= 1)")
+        if proposal_rate is not None:
+            raise fail("--spec-proposal-rate needs --speculative-tokens K (K >= 1)")
         return None
     if tokens < 0:
         raise fail(f"--speculative-tokens must be >= 0, not {tokens}")
@@ -282,7 +349,9 @@ def _speculation(tokens: int, acceptance: float | None, proposal_rate: float, se
             "(a recorded run's vllm:spec_decode_num_accepted_tokens / num_draft_tokens)"
         )
     try:
-        return Speculation(tokens, acceptance, proposal_rate, seed)
+        return Speculation(
+            tokens, acceptance, 1.0 if proposal_rate is None else proposal_rate, seed
+        )
     except ValueError as exc:
         raise fail(f"--spec-acceptance / --spec-proposal-rate: {exc}") from None
 
@@ -290,6 +359,11 @@ def _speculation(tokens: int, acceptance: float | None, proposal_rate: float, se
 def _load(mode: str, rate: float | None, concurrency: int | None, seed: int):
     from capacity.simulate import Load
 
+    # An option the mode does not read would be silently ignored: the user meant another mode.
+    if rate is not None and mode != "poisson":
+        raise fail(f"--rate is for --mode poisson, not --mode {mode}")
+    if concurrency is not None and mode != "concurrency":
+        raise fail(f"--concurrency is for --mode concurrency, not --mode {mode}")
     try:
         return Load(mode, rate, concurrency, seed)
     except ValueError as exc:
@@ -412,6 +486,13 @@ def validate(
     from capacity.validate import ValidationSettings, run_validation
     from workload.trace import read_trace
 
+    # An option of the other kind of validation would be silently ignored.
+    if published and (given := [o for o, v in (("--train", train), ("--test", test)) if v]):
+        raise fail(f"--published does not read {' or '.join(given)}")
+    if not published and (
+        given := [o for o, v in (("--cases", cases), ("--fit", fit), ("--table", table)) if v]
+    ):
+        raise fail(f"only --published reads {', '.join(given)}")
     if published:
         from nightshift.capacity_published_command import validate_published
 
