@@ -19,6 +19,7 @@ re-simulated between rounds."""
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -112,6 +113,8 @@ def load_cases(path: Path = PUBLISHED_PATH) -> tuple[list[PublishedCase], list[S
             continue
         f = Fields.of(parse_json(line.rstrip("\r\n"), path, number), path, number)
         case_id = f.text("id") or ""
+        if not case_id.strip():  # the held-out split and every message name the case by it
+            raise f.error("id must be a non-empty string")
         mode = f.text("mode")
         if mode not in MODES:
             raise f.error(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
@@ -152,13 +155,14 @@ def load_cases(path: Path = PUBLISHED_PATH) -> tuple[list[PublishedCase], list[S
             max_num_batched_tokens=f.integer("max_num_batched_tokens", 1, 10_000_000, None),
             metric=metric,
             value=f.number("value", 0, 1e12),
-            per_gpu=bool(f.data.get("per_gpu") or False),
+            per_gpu=_flag(f, "per_gpu", False),
             gpu_memory_utilization=f.number("gpu_memory_utilization", 0, 1, None),
             max_model_len=f.integer("max_model_len", 1, 10_000_000, None),
-            complete=bool(f.data.get("complete", True)),
+            complete=_flag(f, "complete", True),
         )
         if case.value <= 0:
             raise f.error("value must be positive")
+        _check_case(case, f)
         if mode == "concurrency" and not case.concurrency:
             raise f.error("mode concurrency needs concurrency")
         if mode == "poisson" and not case.rate:
@@ -168,6 +172,32 @@ def load_cases(path: Path = PUBLISHED_PATH) -> tuple[list[PublishedCase], list[S
     if dup := next((i for i in ids if ids.count(i) > 1), None):
         raise BadInputFile(path, f"case id {dup!r} appears twice")
     return cases, skipped
+
+
+def _flag(f: Fields, key: str, default: bool) -> bool:
+    """A true/false field: bool("no") would be True (a per-GPU figure divided by tp)."""
+    value = f.data.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise f.error(f"{key} must be true or false, not {json.dumps(value)[:40]}")
+    return value
+
+
+def _check_case(case: PublishedCase, f: Fields) -> None:
+    """Settings that cannot describe a run (each would otherwise be simulated as something
+    else, or end in a traceback)."""
+    if case.gpu_memory_utilization == 0:  # `or 0.9` would plan it at the default
+        raise f.error("gpu_memory_utilization must be in (0, 1], not 0")
+    if case.num_gpus < case.tp:
+        raise f.error(f"num_gpus {case.num_gpus} is fewer than tp {case.tp}")
+    if case.metric in ("mean_tpot_ms", "median_tpot_ms", "mean_itl_ms") and case.output_len < 2:
+        raise f.error(f"{case.metric} needs output_len >= 2 (a token after the first)")
+    length = case.input_len + case.output_len
+    if case.max_model_len is not None and case.max_model_len < length:
+        raise f.error(
+            f"max_model_len {case.max_model_len} is shorter than input_len + output_len {length}"
+        )
 
 
 # --- one case as it was run -------------------------------------------------------------------

@@ -25,14 +25,28 @@ def validate_published(
     from nightshift.capacity_commands import _outputs
 
     _outputs({"-o": out, **({"--fit": fit_out} if fit_out else {})})
+    if fit_out is not None and fit_out.resolve() == out.resolve():
+        raise fail(f"--fit {fit_out} is also -o: the validation would replace the fitted table")
     path = cases_path or PUBLISHED_PATH
-    with user_errors(GpuCatalogError, ModelSpecError, MemoryPlanError):
+    with user_errors():
         cases, skipped = load_cases(path)
         table = load_table(table_path)
-        if not cases:
-            raise fail(f"{path}: no cases")
-        runs = [build_run(case, table) for case in cases]
+    if not cases:
+        raise fail(f"{path}: no cases")
+    runs = []
+    for case in cases:
+        # A case the planner cannot run (an unknown GPU, a tp that does not split the model, a
+        # pool too small): which one, among dozens.
+        try:
+            runs.append(build_run(case, table))
+        except (GpuCatalogError, ModelSpecError, MemoryPlanError) as exc:
+            raise fail(f"{path}: case {case.id!r}: {exc}") from None
     if fit_out is not None:
+        if all(run.case.held_out for run in runs):
+            raise fail(
+                f"--fit: all {len(runs)} cases of {path} are held out (by a hash of their id); "
+                "nothing to fit on"
+            )
         table = fit_table(runs).table
         save_table(table, fit_out)
         runs = [build_run(run.case, table) if run.case.mode == "poisson" else run for run in runs]

@@ -113,3 +113,74 @@ def test_validate_options_of_the_other_kind_refused(tmp_path, args, words):
         app, ["capacity", "validate", *args, "-o", str(tmp_path / "v.json")]
     )
     _refused(result, *words)
+
+
+CASE = {
+    "id": "outside-small",
+    "source": "test",
+    "url": "https://example.org",
+    "engine": "vLLM",
+    "engine_version": "0.10.0",
+    "model": "Llama-3.1-8B",
+    "planner_gpu": "H100-SXM",
+    "tp": 1,
+    "dtype": "bf16",
+    "input_len": 128,
+    "output_len": 16,
+    "num_requests": 8,
+    "mode": "batch",
+    "metric": "output_tokens_per_s",
+    "value": 1000.0,
+}
+
+
+def _validate(tmp_path, *cases: dict, args: tuple[str, ...] = ()):
+    path = tmp_path / "cases.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in cases))
+    out = ["-o", str(tmp_path / "v.json")]
+    return CliRunner().invoke(
+        app, ["capacity", "validate", "--published", "--cases", str(path), *out, *args]
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        # was: a traceback from the simulation (a record past max_model_len)
+        ({"max_model_len": 10}, ["cases.jsonl:1", "max_model_len"]),
+        # was: planned at the default 0.9 (`or 0.9`)
+        ({"gpu_memory_utilization": 0}, ["cases.jsonl:1", "gpu_memory_utilization"]),
+        ({"id": ""}, ["cases.jsonl:1", "id"]),  # was: a case without a name
+        # was: a TPOT of 0 ms, error -100%
+        ({"metric": "mean_tpot_ms", "output_len": 1}, ["cases.jsonl:1", "output_len"]),
+        ({"per_gpu": "no"}, ["cases.jsonl:1", "per_gpu"]),  # was: bool("no"), per GPU
+        ({"complete": "false"}, ["cases.jsonl:1", "complete"]),
+        ({"tp": 2, "num_gpus": 1}, ["cases.jsonl:1", "num_gpus"]),  # was: simulated at tp 2
+        # was: "error: unknown dtype 'fp4'", not naming the case among dozens
+        ({"dtype": "fp4"}, ["cases.jsonl", "outside-small", "fp4"]),
+        ({"planner_gpu": "B200"}, ["cases.jsonl", "outside-small", "B200"]),
+    ],
+)
+def test_published_case_refused(tmp_path, change, words):
+    _refused(_validate(tmp_path, {**CASE, **change}), *words)
+
+
+def test_fit_with_only_held_out_cases_is_refused(tmp_path):
+    """Every case held out: fit_table's ValueError was a traceback."""
+    held = next(f"h{i}" for i in range(100) if _held_out(f"h{i}"))
+    fit = tmp_path / "fit.json"
+    _refused(_validate(tmp_path, {**CASE, "id": held}, args=("--fit", str(fit))), "--fit")
+    assert not fit.exists()
+
+
+def test_fit_and_out_the_same_file_is_refused(tmp_path):
+    """-o FILE --fit FILE wrote the fitted table, then the validation over it."""
+    same = str(tmp_path / "v.json")
+    result = _validate(tmp_path, CASE, args=("--fit", same))
+    _refused(result, "--fit", "-o")
+
+
+def _held_out(case_id: str) -> bool:
+    import hashlib
+
+    return hashlib.sha256(case_id.encode()).digest()[0] % 3 == 0
