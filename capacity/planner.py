@@ -156,8 +156,12 @@ def plan_gpu(
     result.coefficients = coefficients
     result.hardware = datasheet_hardware(gpu, normalize_dtype(settings.dtype, WEIGHT_FORMATS))
     step_time = _step_time(spec, tp, settings.dtype, settings.kv_cache_dtype, coefficients)
+    # A pool larger than the whole workload's tokens behaves like one that holds exactly them;
+    # capping it keeps a huge GPU from allocating millions of simulated blocks.
+    needed = sum(math.ceil((r.input_length + max(1, r.output_length)) / settings.block_size)
+                 for r in trace)  # fmt: skip
     engine = EngineShape(
-        num_blocks=result.memory.num_blocks,
+        num_blocks=min(result.memory.num_blocks, needed + 1),
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -166,6 +170,9 @@ def plan_gpu(
     result.sim = simulate(
         trace, step_time, engine, load=settings.load, speculation=settings.speculation
     )
+    if engine.num_blocks < result.memory.num_blocks:  # usage of the real pool, not the cap
+        scale = engine.num_blocks / result.memory.num_blocks
+        result.sim.kv_usage = [(t, used * scale) for t, used in result.sim.kv_usage]
     result.replicas, shard = _replicas(trace, step_time, engine, result.sim, settings)
     result.replica_makespan_s = shard.makespan_s
     result.latency = _latency(result.sim)
@@ -223,7 +230,10 @@ def _replicas(
     deadline_s = settings.deadline_s
     if deadline_s is None or whole.makespan_s <= deadline_s:
         return 1, whole
-    replicas = max(2, math.ceil(whole.makespan_s / deadline_s))
+    # Past MAX_REPLICAS the answer is "more than we plan": report MAX_REPLICAS, which then shows
+    # as missing the deadline.
+    replicas = min(MAX_REPLICAS, max(2, math.ceil(whole.makespan_s / deadline_s)))
+    shard = whole
     while replicas <= MAX_REPLICAS:
         shard = simulate(
             trace[::replicas],

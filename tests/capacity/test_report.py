@@ -242,8 +242,9 @@ def test_kv_cache_dtype_reaches_memory_and_step_time():
     """--kv-cache-dtype fp8 (or int8) halves the KV bytes per token: about twice the blocks in
     the same pool, and decode steps that read half the KV bytes. auto is the compute dtype."""
     spec, gpu = load_model_spec("Llama-3.1-8B"), find_gpu("H100")
-    # Long prompts, few at a time: every plan holds them all, so only the step times differ.
-    records = [TraceRecord(0, 30_000, 64, [i]) for i in range(4)]
+    # Long prompts, few at a time: every plan holds them all, so only the step times differ;
+    # outputs long enough that decode steps, not the others' prefill chunks, make the TPOT.
+    records = [TraceRecord(0, 30_000, 1024, [i]) for i in range(4)]
     plans = {
         kv: plan_gpu(spec, records, gpu, 1, PlanSettings(max_num_seqs=4, kv_cache_dtype=kv))
         for kv in (None, "bf16", "fp8", "int8")

@@ -106,3 +106,22 @@ def test_report_with_speculation_and_search(tmp_path):
     assert len(row["grid"]) == 24
     md = out.with_suffix(".md").read_text()
     assert "Best engine settings" in md and "Speculative decoding: 4 draft tokens" in md
+
+
+def test_a_deadline_beyond_max_replicas_reports_the_cap_not_a_traceback():
+    from capacity.planner import MAX_REPLICAS
+
+    plan = plan_gpu(SPEC, TRACE, find_gpu("L4"), 1, PlanSettings(deadline_s=0.001))
+    assert plan.replicas == MAX_REPLICAS
+    assert plan.replica_makespan_s > 0.001  # shows as missing the deadline
+
+
+def test_a_huge_gpu_simulates_only_the_blocks_the_workload_can_use():
+    from dataclasses import replace as dc_replace
+
+    gpu = dc_replace(find_gpu("H100"), cuda_memory_mib=5_000_000_000)
+    plan = plan_gpu(SPEC, TRACE[:4], gpu, 1, PlanSettings())
+    small = plan_gpu(SPEC, TRACE[:4], find_gpu("H100"), 1, PlanSettings())
+    assert plan.memory.num_blocks > 1000 * small.memory.num_blocks
+    assert plan.sim.makespan_s == pytest.approx(small.sim.makespan_s)
+    assert max(u for _, u in plan.sim.kv_usage) < max(u for _, u in small.sim.kv_usage)
