@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nightshift.cli import app
+from tests.capacity.test_published import BASE
 from workload.trace import TraceRecord, write_trace
 
 REPORT = ["capacity", "report", "--model", "Llama-3.1-8B", "--gpus", "H100"]
@@ -115,23 +116,8 @@ def test_validate_options_of_the_other_kind_refused(tmp_path, args, words):
     _refused(result, *words)
 
 
-CASE = {
-    "id": "outside-small",
-    "source": "test",
-    "url": "https://example.org",
-    "engine": "vLLM",
-    "engine_version": "0.10.0",
-    "model": "Llama-3.1-8B",
-    "planner_gpu": "H100-SXM",
-    "tp": 1,
-    "dtype": "bf16",
-    "input_len": 128,
-    "output_len": 16,
-    "num_requests": 8,
-    "mode": "batch",
-    "metric": "output_tokens_per_s",
-    "value": 1000.0,
-}
+# test_published's record, smaller: what a user's own case file would hold.
+CASE = {**BASE, "id": "outside-small", "input_len": 128, "output_len": 16, "num_requests": 8}
 
 
 def _validate(tmp_path, *cases: dict, args: tuple[str, ...] = ()):
