@@ -283,13 +283,15 @@ def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = N
     load = _load(case, n)
     model = _model(case, spec, gpu, table)
     shapes: list[StepShape] = []
+    times: list[float] = []  # each step's time, as the simulation advanced the clock by it
 
     def step_time(shape: StepShape) -> float:
         shapes.append(shape)
-        return model.step_time(shape)
+        times.append(model.step_time(shape))
+        return times[-1]
 
     sim = simulate(trace, step_time, engine, load=load, vocab=spec.vocab_size)
-    return _record(case, spec, gpu, sim, shapes, engine, model)
+    return _record(case, spec, gpu, sim, shapes, np.array(times), engine, model)
 
 
 def _kv_dtype(case: PublishedCase) -> str | None:
@@ -321,8 +323,7 @@ def _model(case: PublishedCase, spec: ModelSpec, gpu: GpuSpec, table: Efficiency
     )
 
 
-def _record(case, spec, gpu, sim: SimResult, shapes, engine, model) -> CaseRun:
-    times = np.array([model.step_time(s) for s in shapes])
+def _record(case, spec, gpu, sim: SimResult, shapes, times: np.ndarray, engine, model) -> CaseRun:
     ends = np.array([clock for clock, _ in sim.kv_usage])
     idle = np.diff(np.concatenate([[0.0], ends])) - times
     idle[idle < 1e-12] = 0.0
@@ -447,7 +448,7 @@ def fit_table(
                                         ("gemm", "memory", "t_step")})  # fmt: skip
     for round_ in range(rounds):
         if round_:
-            train = [_rerun(r, table) if r.case.mode == "poisson" else r for r in train]
+            train = [build_run(r.case, table) if r.case.mode == "poisson" else r for r in train]
         # Nelder-Mead stalls in many dimensions: restart from its own result until it stops
         # improving.
         best = _objective(train, table, names, start)
@@ -480,10 +481,6 @@ def _constrained(name: str, runs: list[CaseRun]) -> bool:
 
 def _generation(gpu: GpuSpec) -> str:
     return GENERATION.get(gpu.name, "")
-
-
-def _rerun(run: CaseRun, table: EfficiencyTable) -> CaseRun:
-    return build_run(run.case, table)
 
 
 def _objective(runs, table, names, start) -> float:
