@@ -62,27 +62,40 @@ class EfficiencyTable:
     t_row: float  # s per sampled row on the host (detokenization, streaming)
     t_logit: float  # s per sampled row and vocabulary entry (sampler over float32 logits)
     allreduce_nvlink_s: float  # latency of one small all-reduce over NVLink
-    allreduce_pcie_s: float  # ... over PCIe
-    link: float  # fraction of the one-way link bandwidth a ring all-reduce reaches
+    allreduce_pcie_s: float  # ... over PCIe, a ring of 8 GPUs (fewer: fewer hops)
+    link: float  # fraction of the one-way NVLink bandwidth a ring all-reduce reaches
+    # ... of the one-way PCIe bandwidth: much less than NVLink's, because PCIe traffic between
+    # GPUs crosses the host's bridges and memory (see DEFAULTS)
+    link_pcie: float = 0.55
+    # s per layer and step: the fixed cost of a layer's kernels (launch, minimum kernel time)
+    t_layer: float = 0.0
+    # ... added without CUDA graphs (vLLM's --enforce-eager): every kernel launched from Python
+    # each step. See DEFAULTS for the measurement it comes from.
+    t_layer_eager: float = 3.4e-4
     basis: str = "default efficiencies"
     fitted_on: list[str] = field(default_factory=list)  # published case ids
     # Other engines' kernels relative to vLLM's (ours follow vLLM's design): a factor on the
     # GEMM (and so attention) efficiency, fitted on their published cases; 1 = vLLM. Memory-bound
     # decode reads the same bytes in any engine, so the bandwidth efficiency is the GPU's.
     engines: dict[str, float] = field(default_factory=dict)
+    # ... and a factor on their fixed costs (t_step, t_layer): a C++ runtime with fused kernels
+    # (TensorRT-LLM) pays less per step and per layer than vLLM's Python loop; 1 = vLLM's.
+    engine_overheads: dict[str, float] = field(default_factory=dict)
 
     def of(self, gpu: GpuSpec) -> Efficiency:
         return self.generations.get(GENERATION.get(gpu.name, ""), self.default)
 
     def coefficients(
-        self, gpu: GpuSpec, dtype: str, tp: int = 1, engine: str = "vllm"
+        self, gpu: GpuSpec, dtype: str, tp: int = 1, engine: str = "vllm", eager: bool = False
     ) -> PerfCoefficients:
-        """The step-time coefficients of one GPU of a tp group serving weights of `dtype`.
+        """The step-time coefficients of one GPU of a tp group serving weights of `dtype`;
+        eager: without CUDA graphs (each layer's kernels launched from the host every step).
         fp8 and int8 weights use the fp8/int8 tensor cores where the GPU has them; int4 and fp8
         on older GPUs are weight-only (dequantized to 16-bit for the GEMM)."""
         eff = self.of(gpu)
         factor = self.engines.get(engine_key(engine), 1.0)
-        eff = Efficiency(min(eff.gemm * factor, 1.0), eff.memory, eff.t_step)
+        fixed = self.engine_overheads.get(engine_key(engine), 1.0)
+        eff = Efficiency(min(eff.gemm * factor, 1.0), eff.memory, eff.t_step * fixed)
         low_precision = dtype in ("fp8", "int8") and gpu.fp8_tflops
         peak = (gpu.fp8_tflops if low_precision else gpu.bf16_tflops) * 1e12
         gemm = eff.gemm * (self.fp8_gemm if low_precision else 1.0)
@@ -97,14 +110,30 @@ class EfficiencyTable:
             # Attention runs in 16-bit whatever the weights are.
             k_attention=1.0 / (eff.gemm * self.attention * gpu.bf16_tflops * 1e12),
             t_logit=self.t_logit,
-            t_allreduce=(self.allreduce_nvlink_s if nvlink else self.allreduce_pcie_s)
-            if tp > 1
+            t_layer=self.t_layer * fixed + (self.t_layer_eager if eager else 0.0),
+            t_allreduce=allreduce_latency(self, nvlink, tp),
+            k_link=1.0 / ((self.link if nvlink else self.link_pcie) * one_way)
+            if tp > 1 and one_way
             else 0.0,
-            k_link=1.0 / (self.link * one_way) if tp > 1 and one_way else 0.0,
         )
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def allreduce_latency(table: EfficiencyTable, nvlink: bool, tp: int) -> float:
+    """One small all-reduce's latency in a tp group. Over NVLink engines use a one-shot custom
+    all-reduce (every GPU reads the others' buffers at once): one latency whatever the group's
+    size. Over PCIe it is NCCL's ring, whose 2 (tp - 1) steps each pay a hop's latency: the
+    table's figure is for 8 GPUs (as measured), scaled by the hops."""
+    if tp <= 1:
+        return 0.0
+    if nvlink:
+        return table.allreduce_nvlink_s
+    return table.allreduce_pcie_s * (tp - 1) / (PCIE_LATENCY_GPUS - 1)
+
+
+PCIE_LATENCY_GPUS = 8  # allreduce_pcie_s is the latency of a ring of this many GPUs
 
 
 # Before any fit: fractions well-tuned engines are commonly said to reach (dense GEMMs at 60% of
@@ -126,6 +155,15 @@ DEFAULTS = EfficiencyTable(
     # too few to fit it.
     allreduce_pcie_s=42e-6,
     link=1.0,
+    # A ring all-reduce over PCIe reaches busbw 35 GB/s on 4 GPUs and 28 GB/s on 8 of PCIe 5.0
+    # x16 (64 GB/s one way): 0.55 and 0.44 (NVIDIA/nccl#1639, 8x RTX 5090; the NCCL maintainer:
+    # "On PCI systems, the performance you get is usually determined by the bandwidth your CPU
+    # and memory can deliver").
+    link_pcie=0.55,
+    # Eager decode of Qwen2.5-Omni-7B's thinker (Qwen2.5-7B's 28 layers) on A800 80GB (A100
+    # class): TPOT ~22-23 ms eager, ~13 ms with CUDA graphs (vllm-project/vllm-omni#7960,
+    # 2026-09-22): (22.5 - 13) ms / 28 layers. One published pair; no case fits it.
+    t_layer_eager=3.4e-4,
 )
 
 _BOUNDS = {"gemm": (0.01, 1.0), "memory": (0.01, 1.0), "t_step": (0.0, 1.0)}
@@ -137,6 +175,9 @@ _SHARED_BOUNDS = {
     "allreduce_nvlink_s": (0.0, 1.0),
     "allreduce_pcie_s": (0.0, 1.0),
     "link": (0.01, 1.0),
+    "link_pcie": (0.01, 1.0),
+    "t_layer": (0.0, 1e-2),
+    "t_layer_eager": (0.0, 1e-2),
 }
 
 
@@ -160,14 +201,19 @@ def load_table(path: Path | None = None) -> EfficiencyTable:
 
     gens = data.mapping("generations")
     generations = {name: efficiency(gens.mapping(name)) for name in gens.data}
-    shared = {k: data.number(k, *bounds) for k, bounds in _SHARED_BOUNDS.items()}
+    # A table written before a field existed takes that field's default.
+    shared = {
+        k: data.number(k, *bounds, getattr(DEFAULTS, k)) for k, bounds in _SHARED_BOUNDS.items()
+    }
     engines = data.mapping("engines") if "engines" in data.data else Fields.of({}, path)
+    fixed = data.mapping("engine_overheads") if "engine_overheads" in data.data else None
     return EfficiencyTable(
         generations=generations,
         default=efficiency(data.mapping("default")),
         basis=data.text("basis") or "",
         fitted_on=[str(x) for x in data.data.get("fitted_on", [])],
         engines={str(k): engines.number(k, 0.01, 10.0) for k in engines.data},
+        engine_overheads={str(k): fixed.number(k, 0.01, 10.0) for k in fixed.data} if fixed else {},
         **shared,
     )
 
@@ -183,11 +229,17 @@ def parameter_names(
     generations: tuple[str, ...] = GENERATIONS, engines: tuple[str, ...] = ()
 ) -> list[str]:
     names = [f"{g}.{k}" for g in generations for k in ("gemm", "memory", "t_step")]
-    return names + list(_SHARED_BOUNDS) + [f"engine:{e}" for e in engines if e != "vllm"]
+    others = [e for e in engines if e != "vllm"]
+    return (
+        names
+        + list(_SHARED_BOUNDS)
+        + [f"engine:{e}" for e in others]
+        + [f"engine_overhead:{e}" for e in others]
+    )
 
 
 def bounds_of(name: str) -> tuple[float, float]:
-    if name.startswith("engine:"):
+    if name.startswith(("engine:", "engine_overhead:")):
         return (0.01, 10.0)
     key = name.split(".")[-1]
     return _BOUNDS[key] if "." in name else _SHARED_BOUNDS[key]
@@ -196,6 +248,8 @@ def bounds_of(name: str) -> tuple[float, float]:
 def get(table: EfficiencyTable, name: str) -> float:
     if name.startswith("engine:"):
         return table.engines.get(name.removeprefix("engine:"), 1.0)
+    if name.startswith("engine_overhead:"):
+        return table.engine_overheads.get(name.removeprefix("engine_overhead:"), 1.0)
     if "." in name:
         gen, key = name.split(".")
         return getattr(table.generations.get(gen, table.default), key)
@@ -205,15 +259,20 @@ def get(table: EfficiencyTable, name: str) -> float:
 def with_values(table: EfficiencyTable, values: dict[str, float]) -> EfficiencyTable:
     generations = dict(table.generations)
     engines = dict(table.engines)
+    fixed = dict(table.engine_overheads)
     shared: dict = {}
     for name, value in values.items():
         if not math.isfinite(value):
             raise ValueError(f"{name} = {value}")
         if name.startswith("engine:"):
             engines[name.removeprefix("engine:")] = value
+        elif name.startswith("engine_overhead:"):
+            fixed[name.removeprefix("engine_overhead:")] = value
         elif "." in name:
             gen, key = name.split(".")
             generations[gen] = replace(generations.get(gen, table.default), **{key: value})
         else:
             shared[name] = value
-    return replace(table, generations=generations, engines=engines, **shared)
+    return replace(
+        table, generations=generations, engines=engines, engine_overheads=fixed, **shared
+    )

@@ -62,6 +62,21 @@ CATALOGUE: tuple[ModelSpec, ...] = (
         "Llama-3.1-70B", 80, 8192, 64, 8, 128, 28672, 128256, False, 131072,
         source=_hub("meta-llama/Llama-3.1-70B"),
     ),
+    # 494,032,768 (model card: 0.49B). Tied embeddings, 14 heads of 64.
+    ModelSpec(
+        "Qwen2.5-0.5B", 24, 896, 14, 2, 64, 4864, 151936, True, 32768, qkv_bias=True,
+        source=_hub("Qwen/Qwen2.5-0.5B"),
+    ),
+    # 1,543,714,304 (model card: 1.54B). Tied embeddings.
+    ModelSpec(
+        "Qwen2.5-1.5B", 28, 1536, 12, 2, 128, 8960, 151936, True, 131072, qkv_bias=True,
+        source=_hub("Qwen/Qwen2.5-1.5B"),
+    ),
+    # 3,085,938,688 (model card: 3.09B). Tied embeddings.
+    ModelSpec(
+        "Qwen2.5-3B", 36, 2048, 16, 2, 128, 11008, 151936, True, 32768, qkv_bias=True,
+        source=_hub("Qwen/Qwen2.5-3B"),
+    ),
     # 7,615,616,512 (the model card says 7.61B).
     ModelSpec(
         "Qwen2.5-7B", 28, 3584, 28, 4, 128, 18944, 152064, False, 131072, qkv_bias=True,

@@ -5,13 +5,15 @@ context tokens read, on one GPU of a tensor-parallel group:
 
     GEMMs      max(2 P_layers T + 2 hidden vocab S  FLOPs x k_compute,  weight bytes x k_memory)
   + attention  max(4 layers heads head_dim A  FLOPs x k_attention,  KV bytes/token C x k_memory)
-  + t_step  +  t_row S  +  t_logit S vocab
+  + t_step  +  t_layer layers  +  t_row S  +  t_logit S vocab
   + with tp > 1: 2 layers all-reduces x t_allreduce  +  all-reduce bytes x T x k_link
 
 The GEMMs and the attention are separate kernels, each bound by its own ceiling: a large decode
 batch is compute-bound in its GEMMs while its attention still streams the KV cache. k = 1 /
 (efficiency x peak). t_step is the per-step cost outside the kernels (scheduling, launches, the
-serving loop; CUDA graphs make it smaller), t_row the host's cost per sampled row
+serving loop; CUDA graphs make it smaller), t_layer the fixed cost of one layer's kernels whatever
+their size (a kernel takes microseconds even when its work takes less: what makes a small model's
+single request slower than its weights' read), t_row the host's cost per sampled row
 (detokenization, streaming), t_logit the sampler's per row and vocabulary entry (softmax, top-k/p
 over float32 logits), t_allreduce the latency of one all-reduce of the hidden states (two per
 layer with tp > 1) and k_link the seconds per byte a ring all-reduce moves over the GPU link.
@@ -48,6 +50,7 @@ class ModelCosts:
     vocab_size: int = 0  # logits per sampled row (the sampler sees the whole vocabulary)
     allreduces_per_step: int = 0  # 2 per layer with tp > 1
     allreduce_bytes_per_token: float = 0.0  # a ring's traffic per GPU and batched token
+    num_layers: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,7 @@ class PerfCoefficients:
     t_logit: float = 0.0  # s per sampled row and vocabulary entry
     t_allreduce: float = 0.0  # s per all-reduce (latency)
     k_link: float = 0.0  # s per byte over the GPU-to-GPU link
+    t_layer: float = 0.0  # s per layer and step (the kernels' fixed cost)
 
     @property
     def attention(self) -> float:
@@ -111,7 +115,7 @@ class StepTerms:
 
     gemm: float
     attention: float
-    overhead: float  # t_step + t_row S + t_logit S vocab
+    overhead: float  # t_step + t_layer layers + t_row S + t_logit S vocab
     allreduce: float
 
     @property
@@ -132,7 +136,10 @@ class PerfModel:
             attention=max(
                 shape.attention_flops(costs) * c.attention, shape.kv_bytes(costs) * c.k_memory
             ),
-            overhead=c.t_step + c.t_row * rows + c.t_logit * rows * costs.vocab_size,
+            overhead=c.t_step
+            + c.t_layer * costs.num_layers
+            + c.t_row * rows
+            + c.t_logit * rows * costs.vocab_size,
             allreduce=costs.allreduces_per_step * c.t_allreduce
             + costs.allreduce_bytes_per_token * shape.num_batched_tokens * c.k_link,
         )
@@ -163,4 +170,5 @@ def model_costs(
         vocab_size=spec.vocab_size,
         allreduces_per_step=2 * spec.num_layers if tp > 1 else 0,
         allreduce_bytes_per_token=2 * spec.num_layers * ring if tp > 1 else 0.0,
+        num_layers=spec.num_layers,
     )

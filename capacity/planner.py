@@ -54,6 +54,9 @@ class PlanSettings:
     kv_cache_dtype: str | None = None
     # Speculative decoding as the server runs it (the digest's local server: n-gram), or None.
     speculation: Speculation | None = None
+    # vLLM's --enforce-eager: no CUDA graphs (no graph memory, each layer's kernels launched
+    # from the host every step).
+    enforce_eager: bool = False
 
 
 @dataclass(slots=True)
@@ -112,12 +115,13 @@ def coefficients_for(
     calibration: Calibration | None,
     tp: int = 1,
     table: EfficiencyTable | None = None,
+    eager: bool = False,
 ) -> PerfCoefficients:
     """The calibration when it was made on this GPU, else the datasheet with the efficiency
     table (fitted on published results)."""
     if calibration is not None and _same_gpu(calibration.machine, gpu):
         return calibration.coefficients
-    return (table or load_table()).coefficients(gpu, dtype, tp)
+    return (table or load_table()).coefficients(gpu, dtype, tp, eager=eager)
 
 
 def _same_gpu(machine: str, gpu: GpuSpec) -> bool:
@@ -151,7 +155,9 @@ def plan_gpu(
         result.error = str(exc)
         result.fits_at_tp = smallest_fitting_tp(spec, gpu, tp, settings, max_model_len)
         return result
-    coefficients = coefficients_for(gpu, settings.dtype, calibration, tp)
+    coefficients = coefficients_for(
+        gpu, settings.dtype, calibration, tp, eager=settings.enforce_eager
+    )
     result.basis = coefficients.basis
     result.coefficients = coefficients
     result.hardware = datasheet_hardware(gpu, normalize_dtype(settings.dtype, WEIGHT_FORMATS))
@@ -193,6 +199,7 @@ def _memory(
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         max_model_len=max_model_len,
+        cuda_graphs=not settings.enforce_eager,
         nvlink=gpu.interconnect.lower().startswith("nvlink"),
     )
 

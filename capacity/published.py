@@ -37,8 +37,8 @@ from capacity.efficiency import (
     with_values,
 )
 from capacity.gpus import GpuSpec, find_gpu, load_gpus
-from capacity.memory import plan_memory
-from capacity.model_specs import ModelSpec, load_model_spec
+from capacity.memory import activation_peak_bytes, overheads, plan_memory, weight_bytes
+from capacity.model_specs import ModelSpec, load_model_spec, param_count
 from capacity.perf import PerfModel, StepShape, model_costs
 from capacity.simulate import EngineShape, Load, SimResult, simulate
 from workload.input_file import BadInputFile, Fields, parse_json, text_lines
@@ -61,6 +61,7 @@ HELD_OUT_EVERY = 3  # one case in three (by a hash of its id) is held out of the
 MAX_REQUESTS = 4000  # a larger published run is simulated with this many (steady state)
 PRIOR_WEIGHT = 0.02
 RESTARTS = 8  # pull of the defaults, in squared log units per parameter
+TRTLLM_KV_FREE_FRACTION = 0.90
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +91,7 @@ class PublishedCase:
     gpu_memory_utilization: float | None = None
     max_model_len: int | None = None
     complete: bool = True  # every setting given by the source (else some are defaults)
+    enforce_eager: bool = False  # vLLM run without CUDA graphs
 
     @property
     def held_out(self) -> bool:
@@ -159,6 +161,7 @@ def load_cases(path: Path = PUBLISHED_PATH) -> tuple[list[PublishedCase], list[S
             gpu_memory_utilization=f.number("gpu_memory_utilization", 0, 1, None),
             max_model_len=f.integer("max_model_len", 1, 10_000_000, None),
             complete=_flag(f, "complete", True),
+            enforce_eager=_flag(f, "enforce_eager", False),
         )
         if case.value <= 0:
             raise f.error("value must be positive")
@@ -220,6 +223,37 @@ def vllm_defaults(case: PublishedCase, gpu: GpuSpec) -> tuple[int, int]:
     return 256, max(case.input_len + case.output_len, 2048)
 
 
+def trtllm_bench_settings(case: PublishedCase, spec: ModelSpec, gpu: GpuSpec) -> tuple[int, int]:
+    """(max_batch_size, max_num_tokens) `trtllm-bench build --dataset` picks (its tuning
+    heuristic, tensorrt_llm/bench/build/tuning.py: calc_engine_setting, finetune_setting): the
+    requests of ISL + OSL tokens that 95% of the memory left beside the weights holds as KV
+    (parameters in 1e9 x bytes, GPU memory in GiB, as it counts them), capped at 4096, rounded
+    up; tokens = that batch x (1 + ISL / OSL), capped at 32768, at least 2048, rounded up."""
+    fp8 = case.dtype == "fp8"
+    kv_fp8 = (case.kv_cache_dtype or "").lower() == "fp8"
+    gib_per_token = (
+        2 * spec.num_layers * max(case.tp, spec.num_kv_heads) * spec.head_dim * (1 if kv_fp8 else 2)
+    ) / (1 << 30)
+    engine_gb = param_count(spec) / 1e9 * (1 if fp8 else 2)
+    available = gpu.memory_bytes / (1 << 30) * case.tp - engine_gb
+    requests = available * 0.95 / gib_per_token / (case.input_len + case.output_len)
+    raw_bs = min(requests, 4096)
+    raw_token = min(raw_bs * (1 + case.input_len / case.output_len), 32768)
+    if raw_bs < 256:
+        bs = max(64, 32 * math.ceil(raw_bs / 32))
+    elif raw_bs < 1024:
+        bs = 128 * math.ceil(raw_bs / 128)
+    else:
+        bs = 256 * math.ceil(raw_bs / 256)
+    if raw_token < 4096:
+        tokens = max(2048, 256 * math.ceil(raw_token / 256))
+    elif raw_token < 8192:
+        tokens = 512 * math.ceil(raw_token / 512)
+    else:
+        tokens = 1024 * math.ceil(raw_token / 1024)
+    return max(bs, 1), tokens
+
+
 def _version(text: str | None) -> tuple[int, ...]:
     parts = []
     for part in (text or "").lstrip("v").split("."):
@@ -252,11 +286,24 @@ class CaseRun:
 def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = None) -> CaseRun:
     spec = load_model_spec(case.model)
     gpu = find_gpu(case.gpu, gpus or load_gpus())
-    seqs, tokens = vllm_defaults(case, gpu)
+    trtllm = engine_key(case.engine) == "tensorrt-llm"
+    seqs, tokens = trtllm_bench_settings(case, spec, gpu) if trtllm else vllm_defaults(case, gpu)
     seqs, tokens = case.max_num_seqs or seqs, case.max_num_batched_tokens or tokens
     length = case.input_len + case.output_len
     max_model_len = case.max_model_len or max(length, 2048)
     tokens = max(tokens, 1)
+    nvlink = gpu.interconnect.lower().startswith("nvlink")
+    kv_cache_memory = None
+    if trtllm:
+        # TensorRT-LLM sizes its KV pool as a share (trtllm-bench's kv_cache_free_gpu_mem_fraction,
+        # 0.90) of the memory left free once the engine is loaded, not of the whole GPU as vLLM's
+        # gpu_memory_utilization does: a 70B fp16 engine on two 80 GB GPUs keeps ~2.5x the KV.
+        loaded = (
+            weight_bytes(spec, case.dtype, case.tp)
+            + activation_peak_bytes(spec, tokens, seqs, case.dtype, case.tp)
+            + overheads(spec, case.tp, False, nvlink).total
+        )
+        kv_cache_memory = max(0, int(TRTLLM_KV_FREE_FRACTION * (gpu.memory_bytes - loaded)))
     memory = plan_memory(
         spec,
         gpu.memory_bytes,
@@ -269,16 +316,19 @@ def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = N
         max_model_len=max_model_len,
         # vLLM >= 0.21 takes its CUDA graphs out of the budget; earlier ones (and other engines)
         # allocated them beside it.
-        cuda_graphs=engine_key(case.engine) == "vllm" and _version(case.engine_version) >= (0, 21),
-        nvlink=gpu.interconnect.lower().startswith("nvlink"),
+        cuda_graphs=engine_key(case.engine) == "vllm"
+        and _version(case.engine_version) >= (0, 21)
+        and not case.enforce_eager,
+        nvlink=nvlink,
+        kv_cache_memory=kv_cache_memory,
     )
-    if engine_key(case.engine) == "tensorrt-llm":
+    if trtllm:
         # TensorRT-LLM's default capacity scheduler (GUARANTEED_NO_EVICT) admits a request only
         # when the KV for its whole output is free: no preemption, at most pool / length
         # requests at once (vLLM admits on the prompt and preempts when decodes outgrow it).
         seqs = max(1, min(seqs, memory.num_tokens // length))
     engine = EngineShape(memory.num_blocks, 16, seqs, tokens, max_model_len)
-    n = _num_requests(case)
+    n = _num_requests(case, seqs)
     trace = [TraceRecord(0.0, case.input_len, case.output_len) for _ in range(n)]
     load = _load(case, n)
     model = _model(case, spec, gpu, table)
@@ -299,13 +349,15 @@ def _kv_dtype(case: PublishedCase) -> str | None:
     return None if kv in ("auto", "none", "") else kv
 
 
-def _num_requests(case: PublishedCase) -> int:
+def _num_requests(case: PublishedCase, max_num_seqs: int = 0) -> int:
     if case.mode == "single":
         return 1
     if case.metric == "mean_batch_latency_ms":  # one batch of `concurrency` requests
         return case.concurrency or case.num_requests or 1
     n = case.num_requests or (10 * case.concurrency if case.concurrency else 1000)
-    return min(n, MAX_REQUESTS)
+    # Steady state needs several waves of the engine's batch: a run of 30000 short requests on
+    # an engine that holds 4096 at once is not one wave of 4000.
+    return min(n, max(MAX_REQUESTS, 4 * max_num_seqs))
 
 
 def _load(case: PublishedCase, n: int) -> Load:
@@ -319,7 +371,7 @@ def _load(case: PublishedCase, n: int) -> Load:
 def _model(case: PublishedCase, spec: ModelSpec, gpu: GpuSpec, table: EfficiencyTable):
     return PerfModel(
         model_costs(spec, case.dtype, _kv_dtype(case), case.tp),
-        table.coefficients(gpu, case.dtype, case.tp, case.engine),
+        table.coefficients(gpu, case.dtype, case.tp, case.engine, case.enforce_eager),
     )
 
 
@@ -361,16 +413,20 @@ def _features(shapes: list[StepShape], costs) -> dict:
         "vocab": float(costs.vocab_size),
         "allreduces": float(costs.allreduces_per_step),
         "ar_bytes": float(costs.allreduce_bytes_per_token),
+        "layers": float(costs.num_layers),
     }
 
 
 def step_times(run: CaseRun, table: EfficiencyTable) -> np.ndarray:
     """The run's step times under another table: PerfModel.step_time, vectorised."""
-    c = table.coefficients(run.gpu, run.case.dtype, run.case.tp, run.case.engine)
+    c = table.coefficients(
+        run.gpu, run.case.dtype, run.case.tp, run.case.engine, run.case.enforce_eager
+    )
     f = run.features
     gemm = np.maximum(f["gemm"] * c.k_compute, f["weights"] * c.k_memory)
     attention = np.maximum(f["attention"] * c.attention, f["kv"] * c.k_memory)
-    overhead = c.t_step + f["rows"] * (c.t_row + c.t_logit * f["vocab"])
+    layers = f.get("layers", float(run.spec.num_layers))
+    overhead = c.t_step + c.t_layer * layers + f["rows"] * (c.t_row + c.t_logit * f["vocab"])
     allreduce = f["allreduces"] * c.t_allreduce + f["ar_bytes"] * f["tokens"] * c.k_link
     return gemm + attention + overhead + allreduce
 
@@ -475,7 +531,11 @@ def _constrained(name: str, runs: list[CaseRun]) -> bool:
     if name == "allreduce_pcie_s":
         return len(nvlink) < len(tp)
     if name == "link":
-        return bool(tp)
+        return bool(nvlink)
+    if name == "link_pcie":
+        return len(nvlink) < len(tp)
+    if name == "t_layer_eager":
+        return any(r.case.enforce_eager for r in runs)
     return True
 
 
@@ -499,7 +559,7 @@ def _nelder_mead(runs, table, names, start, iterations: int = 1500) -> Efficienc
     """Minimise the objective over the parameters, each searched in log space (zero-valued
     ones from a small floor) within its bounds."""
     floors = {"t_step": 1e-4, "t_row": 1e-6, "t_logit": 1e-12, "allreduce_nvlink_s": 1e-6,
-              "allreduce_pcie_s": 1e-6}  # fmt: skip
+              "allreduce_pcie_s": 1e-6, "t_layer": 1e-6}  # fmt: skip
 
     def x_of(t: EfficiencyTable) -> np.ndarray:
         return np.array(

@@ -209,6 +209,7 @@ def assumptions(plan: GpuPlan) -> dict | None:
         "attention_efficiency": 1.0 / (c.attention * plan.gpu.bf16_tflops * 1e12),  # of bf16
         "memory_efficiency": memory,
         "t_step_s": c.t_step,
+        "t_layer_s": c.t_layer,
         "t_row_s": c.t_row,
         "t_logit_s": c.t_logit,
         "t_allreduce_s": c.t_allreduce,

@@ -208,6 +208,13 @@ def report(
         bool,
         typer.Option("--search", help="Also search max_num_seqs x max_num_batched_tokens per GPU."),
     ] = False,
+    enforce_eager: Annotated[
+        bool,
+        typer.Option(
+            "--enforce-eager",
+            help="vLLM's --enforce-eager: no CUDA graphs (slower steps, no graph memory).",
+        ),
+    ] = False,
 ) -> None:
     """Which GPU, how many, how long tonight's batch takes, at what cost."""
     import numpy as np
@@ -231,6 +238,7 @@ def report(
         load=_load(mode, rate, concurrency, seed),
         max_model_len=max_model_len,
         speculation=_speculation(speculative_tokens, spec_acceptance, spec_proposal_rate, seed),
+        enforce_eager=enforce_eager,
         **_prices(api_price_per_mtok),
     )
     if settings.speculation and settings.speculation.num_tokens >= max_num_batched_tokens:

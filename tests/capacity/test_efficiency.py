@@ -46,7 +46,26 @@ def test_tp_adds_the_links_latency_and_bandwidth():
     c = TABLE.coefficients(h100, "bf16", tp=2)
     assert c.t_allreduce == 2e-5
     assert c.k_link == pytest.approx(1 / (h100.interconnect_gbps * 1e9 / 2))
-    assert TABLE.coefficients(l4, "bf16", tp=2).t_allreduce == DEFAULTS.allreduce_pcie_s
+    pcie = TABLE.coefficients(l4, "bf16", tp=2)
+    # NCCL's ring over PCIe: 2 (tp - 1) hops; the table's latency is that of 8 GPUs.
+    assert pcie.t_allreduce == pytest.approx(DEFAULTS.allreduce_pcie_s / 7)
+    assert TABLE.coefficients(l4, "bf16", tp=8).t_allreduce == DEFAULTS.allreduce_pcie_s
+    # One-shot custom all-reduce over NVLink: the same latency at any size.
+    assert TABLE.coefficients(h100, "bf16", tp=8).t_allreduce == c.t_allreduce
+    # A ring over PCIe reaches its own share of the link (host bridges), not NVLink's.
+    assert pcie.k_link == pytest.approx(1 / (DEFAULTS.link_pcie * l4.interconnect_gbps * 1e9 / 2))
+    slower = with_values(TABLE, {"link_pcie": 0.2})
+    assert slower.coefficients(l4, "bf16", tp=2).k_link > pcie.k_link
+    assert slower.coefficients(h100, "bf16", tp=2).k_link == c.k_link
+
+
+def test_a_table_written_before_a_field_existed_loads_with_its_default(tmp_path):
+    path = tmp_path / "old.json"
+    save_table(TABLE, path)
+    data = json.loads(path.read_text())
+    del data["link_pcie"]
+    path.write_text(json.dumps(data))
+    assert load_table(path).link_pcie == DEFAULTS.link_pcie
 
 
 def test_other_engines_scale_the_gemms_not_the_bandwidth():
@@ -56,6 +75,11 @@ def test_other_engines_scale_the_gemms_not_the_bandwidth():
     assert trt.k_compute == pytest.approx(vllm.k_compute / 1.2)
     assert trt.k_memory == vllm.k_memory
     assert engine_key("nm-vllm (Neural Magic fork of vLLM)") == "vllm"
+    # Their fixed costs per step and per layer have their own factor.
+    lean = with_values(TABLE, {"engine_overhead:tensorrt-llm": 0.5, "t_layer": 1e-4})
+    trt = lean.coefficients(h100, "bf16", engine="TensorRT-LLM")
+    assert trt.t_step == pytest.approx(0.5 * vllm.t_step) and trt.t_layer == pytest.approx(5e-5)
+    assert lean.coefficients(h100, "bf16", engine="vLLM").t_layer == 1e-4
 
 
 def test_unknown_gpu_family_uses_the_defaults():
@@ -77,3 +101,27 @@ def test_table_round_trips_and_bad_files_name_the_field(tmp_path):
     path.write_text("[1, 2]")
     with pytest.raises(BadInputFile):
         load_table(path)
+
+
+def test_per_layer_cost_counts_each_layer_of_each_step():
+    # A layer's kernels cost microseconds however little they compute: a step of a 36-layer model
+    # pays 36 times the per-layer cost on top of the per-step one.
+    from capacity.model_specs import load_model_spec
+    from capacity.perf import PerfModel, StepShape, model_costs
+
+    table = with_values(TABLE, {"t_layer": 1e-4})
+    c = table.coefficients(find_gpu("H100"), "bf16")
+    assert c.t_layer == 1e-4
+    shape = StepShape(num_batched_tokens=1, sampled_rows=1, attention_pairs=1, context_tokens=1)
+    spec = load_model_spec("Qwen2.5-3B")
+    with_layers = PerfModel(model_costs(spec), c).terms(shape).overhead
+    without = PerfModel(model_costs(spec), TABLE.coefficients(find_gpu("H100"), "bf16"))
+    assert with_layers - without.terms(shape).overhead == pytest.approx(36 * 1e-4)
+
+
+def test_eager_adds_the_per_layer_launch_cost():
+    h100 = find_gpu("H100")
+    graphs = TABLE.coefficients(h100, "bf16")
+    eager = TABLE.coefficients(h100, "bf16", eager=True)
+    assert eager.t_layer == pytest.approx(graphs.t_layer + DEFAULTS.t_layer_eager)
+    assert eager.t_step == graphs.t_step and eager.k_compute == graphs.k_compute

@@ -12,12 +12,14 @@ from typer.testing import CliRunner
 
 from capacity.efficiency import DEFAULTS, Efficiency, load_table, with_values
 from capacity.gpus import find_gpu
+from capacity.model_specs import load_model_spec
 from capacity.published import (
     PUBLISHED_PATH,
     build_run,
     fit_table,
     load_cases,
     predict,
+    trtllm_bench_settings,
     vllm_defaults,
 )
 from nightshift.cli import app
@@ -96,6 +98,33 @@ def test_vllm_defaults_follow_version_and_gpu(tmp_path):
     assert vllm_defaults(replace(case, engine_version="0.8.4"), h100) == (256, 8192)
     old = replace(case, engine_version="0.6.3")
     assert vllm_defaults(old, h100) == (256, 2048)
+
+
+def test_trtllm_bench_settings_follow_its_tuning_heuristic(tmp_path):
+    # trtllm-bench build --dataset: requests of ISL + OSL that 95% of the memory beside the
+    # weights holds as KV (8.03e9 fp8 parameters, 79.19 GiB, 64 KiB of fp8 KV per token), capped
+    # at 4096 and rounded up; tokens = batch x (1 + ISL / OSL), at least 2048, rounded up.
+    fp8 = {"engine": "TensorRT-LLM", "engine_version": "0.14.0", "dtype": "fp8"}
+    records = [
+        {**fp8, "id": "a", "kv_cache_dtype": "fp8", "input_len": 1000, "output_len": 1000},
+        {**fp8, "id": "b", "kv_cache_dtype": "fp8", "input_len": 2048, "output_len": 128},
+        {**fp8, "id": "c", "kv_cache_dtype": "fp8", "input_len": 128, "output_len": 128},
+        {**fp8, "id": "d", "input_len": 1000, "output_len": 1000},  # 16-bit KV: half the batch
+    ]
+    cases, _ = load_cases(_write(tmp_path, records))
+    spec, h100 = load_model_spec("Llama-3.1-8B"), find_gpu("H100-SXM")
+    got = [trtllm_bench_settings(c, spec, h100) for c in cases]
+    assert got == [(640, 2048), (512, 9216), (4096, 8192), (384, 2048)]
+
+
+def test_trtllm_cases_simulate_with_its_settings_and_no_eviction(tmp_path):
+    record = {"engine": "TensorRT-LLM", "engine_version": "0.14.0", "num_requests": 40}
+    cases, _ = load_cases(_write(tmp_path, [record]))
+    run = build_run(cases[0], DEFAULTS)
+    spec = load_model_spec("Llama-3.1-8B")
+    seqs, tokens = trtllm_bench_settings(cases[0], spec, find_gpu("H100-SXM"))
+    assert run.max_num_batched_tokens == tokens
+    assert run.max_num_seqs <= min(seqs, run.num_blocks * 16 // (256 + 32))
 
 
 OTHER = with_values(

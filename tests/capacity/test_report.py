@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -53,6 +54,23 @@ def test_plan_memory_cost_and_deadline():
     )
     assert split.replicas >= 3 and split.replica_makespan_s <= deadline
     assert split.gpus == split.replicas
+
+
+def test_enforce_eager_trades_graph_memory_for_slower_steps(tmp_path):
+    spec, gpu = load_model_spec("Llama-3.1-8B"), find_gpu("H100")
+    settings = PlanSettings(max_num_seqs=64, max_num_batched_tokens=2048)
+    graphs = plan_gpu(spec, _trace(), gpu, 1, settings)
+    eager = plan_gpu(spec, _trace(), gpu, 1, replace(settings, enforce_eager=True))
+    assert eager.memory.overheads.cuda_graph_bytes == 0 < graphs.memory.overheads.cuda_graph_bytes
+    assert eager.memory.num_blocks > graphs.memory.num_blocks
+    assert eager.coefficients.t_layer > graphs.coefficients.t_layer
+    assert eager.sim.makespan_s > graphs.sim.makespan_s
+    path = tmp_path / "t.jsonl"
+    write_trace(path, _trace())
+    out = tmp_path / "r.html"
+    args = ["capacity", "report", "--model", "Llama-3.1-8B", "--gpus", "H100", "--trace", str(path)]
+    result = CliRunner().invoke(app, [*args, "--enforce-eager", "-o", str(out)])
+    assert result.exit_code == 0, result.output
 
 
 def test_what_does_not_fit_says_why():
