@@ -479,6 +479,10 @@ def validate(
     table: Annotated[
         Path | None, typer.Option(help="--published: the efficiency table to check.")
     ] = None,
+    jobs: Annotated[
+        int | None,
+        typer.Option(help="--published: cases simulated at once (default: one per CPU).", min=1),
+    ] = None,
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
     num_kv_blocks: Annotated[int, typer.Option()] = 1200,
     max_num_seqs: Annotated[int, typer.Option()] = 16,
@@ -498,13 +502,17 @@ def validate(
     if published and (given := [o for o, v in (("--train", train), ("--test", test)) if v]):
         raise fail(f"--published does not read {' or '.join(given)}")
     if not published and (
-        given := [o for o, v in (("--cases", cases), ("--fit", fit), ("--table", table)) if v]
+        given := [
+            o
+            for o, v in (("--cases", cases), ("--fit", fit), ("--table", table), ("--jobs", jobs))
+            if v
+        ]
     ):
         raise fail(f"only --published reads {', '.join(given)}")
     if published:
         from nightshift.capacity_published_command import validate_published
 
-        return validate_published(cases, fit, table, out)
+        return validate_published(cases, fit, table, out, jobs)
     if train is None or test is None:
         raise fail("validate needs --train and --test traces (or --published)")
     _outputs({"-o": out}, {"--workdir": workdir})

@@ -5,6 +5,9 @@ cases apart (`capacity/published.py`)."""
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -14,13 +17,27 @@ from nightshift.cli_errors import fail, user_errors
 MAX_ERROR_PCT = 20.0  # the issue's bound for any case
 
 
-def validate_published(
-    cases_path: Path | None, fit_out: Path | None, table_path: Path | None, out: Path
-) -> None:
-    from capacity.efficiency import load_table, save_table
+def _build(case, table):
+    """build_run in a worker process; a case the planner refuses comes back as its message."""
     from capacity.gpus import GpuCatalogError
     from capacity.memory import MemoryPlanError
     from capacity.model_specs import ModelSpecError
+    from capacity.published import build_run
+
+    try:
+        return build_run(case, table)
+    except (GpuCatalogError, ModelSpecError, MemoryPlanError) as exc:
+        return str(exc)
+
+
+def validate_published(
+    cases_path: Path | None,
+    fit_out: Path | None,
+    table_path: Path | None,
+    out: Path,
+    jobs: int | None = None,
+) -> None:
+    from capacity.efficiency import load_table, save_table
     from capacity.published import PUBLISHED_PATH, build_run, error_pct, fit_table, load_cases
     from nightshift.capacity_commands import _outputs
 
@@ -34,13 +51,17 @@ def validate_published(
     if not cases:
         raise fail(f"{path}: no cases")
     runs = []
-    for case in cases:
-        # A case the planner cannot run (an unknown GPU, a tp that does not split the model, a
-        # pool too small): which one, among dozens.
-        try:
-            runs.append(build_run(case, table))
-        except (GpuCatalogError, ModelSpecError, MemoryPlanError) as exc:
-            raise fail(f"{path}: case {case.id!r}: {exc}") from None
+    # Each case's simulation is independent (and the bundled ones take minutes): one process per
+    # core.
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(cases)))
+    with ProcessPoolExecutor(workers) if workers > 1 else nullcontext() as pool:
+        built = (pool.map if pool else map)(_build, cases, [table] * len(cases))
+        for case, run in zip(cases, built):
+            # A case the planner cannot run (an unknown GPU, a tp that does not split the model,
+            # a pool too small): which one, among dozens.
+            if isinstance(run, str):
+                raise fail(f"{path}: case {case.id!r}: {run}")
+            runs.append(run)
     if fit_out is not None:
         if all(run.case.held_out for run in runs):
             raise fail(

@@ -213,6 +213,8 @@ def test_validate_published_cli(tmp_path):
             str(path),
             "--fit",
             str(fit),
+            "--jobs",
+            "2",  # two worker processes: the cases come back in order, each built once
             "-o",
             str(out),
         ],  # fmt: skip
