@@ -72,6 +72,9 @@ class EfficiencyTable:
     # ... added without CUDA graphs (vLLM's --enforce-eager): every kernel launched from Python
     # each step. See DEFAULTS for the measurement it comes from.
     t_layer_eager: float = 3.4e-4
+    # 0: a kernel takes the larger of its compute and memory times; p > 0: their p-norm (below
+    # the ridge's corner, as measured kernels are)
+    roofline_p: float = 0.0
     basis: str = "default efficiencies"
     fitted_on: list[str] = field(default_factory=list)  # published case ids
     # Other engines' kernels relative to vLLM's (ours follow vLLM's design): a factor on the
@@ -111,6 +114,7 @@ class EfficiencyTable:
             k_attention=1.0 / (eff.gemm * self.attention * gpu.bf16_tflops * 1e12),
             t_logit=self.t_logit,
             t_layer=self.t_layer * fixed + (self.t_layer_eager if eager else 0.0),
+            roofline_p=self.roofline_p,
             t_allreduce=allreduce_latency(self, nvlink, tp),
             k_link=1.0 / ((self.link if nvlink else self.link_pcie) * one_way)
             if tp > 1 and one_way
@@ -178,6 +182,7 @@ _SHARED_BOUNDS = {
     "link_pcie": (0.01, 1.0),
     "t_layer": (0.0, 1e-2),
     "t_layer_eager": (0.0, 1e-2),
+    "roofline_p": (0.0, 100.0),
 }
 
 

@@ -9,14 +9,16 @@ context tokens read, on one GPU of a tensor-parallel group:
   + with tp > 1: 2 layers all-reduces x t_allreduce  +  all-reduce bytes x T x k_link
 
 The GEMMs and the attention are separate kernels, each bound by its own ceiling: a large decode
-batch is compute-bound in its GEMMs while its attention still streams the KV cache. k = 1 /
-(efficiency x peak). t_step is the per-step cost outside the kernels (scheduling, launches, the
-serving loop; CUDA graphs make it smaller), t_layer the fixed cost of one layer's kernels whatever
-their size (a kernel takes microseconds even when its work takes less: what makes a small model's
-single request slower than its weights' read), t_row the host's cost per sampled row
-(detokenization, streaming), t_logit the sampler's per row and vocabulary entry (softmax, top-k/p
-over float32 logits), t_allreduce the latency of one all-reduce of the hidden states (two per
-layer with tp > 1) and k_link the seconds per byte a ring all-reduce moves over the GPU link.
+batch is compute-bound in its GEMMs while its attention still streams the KV cache. Near the
+ridge a kernel reaches neither ceiling (loads and math overlap imperfectly): with roofline_p > 0
+the two times combine as (a^p + b^p)^(1/p) instead of max(a, b), which p -> infinity recovers.
+k = 1 / (efficiency x peak). t_step is the per-step cost outside the kernels (scheduling,
+launches, the serving loop; CUDA graphs make it smaller), t_layer the fixed cost of one layer's
+kernels whatever their size (a kernel takes microseconds even when its work takes less: what makes
+a small model's single request slower than its weights' read), t_row the host's cost per sampled
+row (detokenization, streaming), t_logit the sampler's per row and vocabulary entry (softmax,
+top-k/p over float32 logits), t_allreduce the latency of one all-reduce of the hidden states (two
+per layer with tp > 1) and k_link the seconds per byte a ring all-reduce moves over the GPU link.
 
 `calibrate.py` fits k_compute, k_memory, k_attention, t_step and t_row on a step profile of a
 machine; `efficiency.py` gives GPUs nobody here measured their coefficients from the datasheet and
@@ -25,6 +27,8 @@ an efficiency table fitted on published results (`published.py`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from capacity.memory import (
     WEIGHT_FORMATS,
@@ -99,6 +103,7 @@ class PerfCoefficients:
     t_allreduce: float = 0.0  # s per all-reduce (latency)
     k_link: float = 0.0  # s per byte over the GPU-to-GPU link
     t_layer: float = 0.0  # s per layer and step (the kernels' fixed cost)
+    roofline_p: float = 0.0  # 0: max(compute, memory); p > 0: their p-norm (a soft ridge)
 
     @property
     def attention(self) -> float:
@@ -132,9 +137,13 @@ class PerfModel:
         c, costs = self.coefficients, self.costs
         rows = shape.sampled_rows
         return StepTerms(
-            gemm=max(shape.gemm_flops(costs) * c.k_compute, costs.weight_bytes * c.k_memory),
-            attention=max(
-                shape.attention_flops(costs) * c.attention, shape.kv_bytes(costs) * c.k_memory
+            gemm=roofline(
+                shape.gemm_flops(costs) * c.k_compute, costs.weight_bytes * c.k_memory, c.roofline_p
+            ),
+            attention=roofline(
+                shape.attention_flops(costs) * c.attention,
+                shape.kv_bytes(costs) * c.k_memory,
+                c.roofline_p,
             ),
             overhead=c.t_step
             + c.t_layer * costs.num_layers
@@ -146,6 +155,14 @@ class PerfModel:
 
     def step_time(self, shape: StepShape) -> float:
         return self.terms(shape).total
+
+
+def roofline(compute_s, memory_s, p: float = 0.0):
+    """A kernel's time from its compute-bound and memory-bound times (floats or numpy arrays):
+    the larger (p = 0), or their p-norm."""
+    if p <= 0:
+        return np.maximum(compute_s, memory_s)
+    return (compute_s**p + memory_s**p) ** (1.0 / p)
 
 
 def model_costs(

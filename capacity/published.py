@@ -39,7 +39,7 @@ from capacity.efficiency import (
 from capacity.gpus import GpuSpec, find_gpu, load_gpus
 from capacity.memory import activation_peak_bytes, overheads, plan_memory, weight_bytes
 from capacity.model_specs import ModelSpec, load_model_spec, param_count
-from capacity.perf import PerfModel, StepShape, model_costs
+from capacity.perf import PerfModel, StepShape, model_costs, roofline
 from capacity.simulate import EngineShape, Load, SimResult, simulate
 from workload.input_file import BadInputFile, Fields, parse_json, text_lines
 from workload.trace import TraceRecord
@@ -62,6 +62,9 @@ MAX_REQUESTS = 4000  # a larger published run is simulated with this many (stead
 PRIOR_WEIGHT = 0.02
 RESTARTS = 8  # pull of the defaults, in squared log units per parameter
 TRTLLM_KV_FREE_FRACTION = 0.90
+# Where the fit's search starts for terms the defaults leave out: the per-layer cost (s) and the
+# soft roofline's exponent.
+SEARCH_STARTS = {"t_layer": 5e-5, "roofline_p": 4.0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,8 +426,8 @@ def step_times(run: CaseRun, table: EfficiencyTable) -> np.ndarray:
         run.gpu, run.case.dtype, run.case.tp, run.case.engine, run.case.enforce_eager
     )
     f = run.features
-    gemm = np.maximum(f["gemm"] * c.k_compute, f["weights"] * c.k_memory)
-    attention = np.maximum(f["attention"] * c.attention, f["kv"] * c.k_memory)
+    gemm = roofline(f["gemm"] * c.k_compute, f["weights"] * c.k_memory, c.roofline_p)
+    attention = roofline(f["attention"] * c.attention, f["kv"] * c.k_memory, c.roofline_p)
     layers = f.get("layers", float(run.spec.num_layers))
     overhead = c.t_step + c.t_layer * layers + f["rows"] * (c.t_row + c.t_logit * f["vocab"])
     allreduce = f["allreduces"] * c.t_allreduce + f["ar_bytes"] * f["tokens"] * c.k_link
@@ -498,6 +501,11 @@ def fit_table(
         if _constrained(n, train)
     ]
     table = start
+    # Parameters whose default is "no such term" (0) start inside the range the data spans, not
+    # at zero, whose logarithm the search cannot leave in a few steps; no pull towards the start.
+    table = with_values(
+        table, {n: v for n, v in SEARCH_STARTS.items() if n in names and get(table, n) == 0}
+    )
     for gen in generations:  # every generation starts from the defaults' fractions
         if gen not in table.generations:
             table = with_values(table, {f"{gen}.{k}": get(table, f"{gen}.{k}") for k in

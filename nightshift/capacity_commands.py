@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 capacity_app = typer.Typer(no_args_is_help=True, help="Memory, performance and cost planning.")
 
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "capacity" / "data" / "digest_sample.jsonl"
+# The planner's default workload: a real digest night of 300 papers (capacity/data/digest_night.md).
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "capacity" / "data" / "digest_night.jsonl"
 
 
 def _outputs(files: dict[str, Path], folders: dict[str, Path] | None = None) -> None:
@@ -258,7 +259,7 @@ def report(
         chosen = [find_gpu(name.strip(), catalogue) for name in gpus.split(",") if name.strip()]
         cal = load_calibration(calibration) if calibration else None
         source = read_trace(path, _with_blocks(fits), block_size)
-        note = f"trace {trace}" if trace else f"the bundled digest sample ({DEFAULT_TRACE.name})"
+        note = f"trace {trace}" if trace else f"the bundled digest night ({DEFAULT_TRACE.name})"
         if papers is not None:
             source, how = synth_trace(source, papers, seed=seed)
             note = f"{how}, from {note}"

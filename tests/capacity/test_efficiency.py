@@ -125,3 +125,14 @@ def test_eager_adds_the_per_layer_launch_cost():
     eager = TABLE.coefficients(h100, "bf16", eager=True)
     assert eager.t_layer == pytest.approx(graphs.t_layer + DEFAULTS.t_layer_eager)
     assert eager.t_step == graphs.t_step and eager.k_compute == graphs.k_compute
+
+
+def test_soft_roofline_is_slower_than_either_ceiling_near_the_ridge():
+    from capacity.perf import roofline
+
+    assert roofline(2.0, 1.0) == 2.0  # p = 0: the larger, as before
+    at_ridge = roofline(1.0, 1.0, 2.0)
+    assert at_ridge == pytest.approx(2**0.5)  # neither ceiling reached at the ridge
+    assert roofline(10.0, 1.0, 4.0) == pytest.approx(10.0, rel=1e-3)  # far from it: the ceiling
+    soft = with_values(TABLE, {"roofline_p": 3.0}).coefficients(find_gpu("H100"), "bf16")
+    assert soft.roofline_p == 3.0
