@@ -242,19 +242,15 @@ def trtllm_bench_settings(case: PublishedCase, spec: ModelSpec, gpu: GpuSpec) ->
     requests = available * 0.95 / gib_per_token / (case.input_len + case.output_len)
     raw_bs = min(requests, 4096)
     raw_token = min(raw_bs * (1 + case.input_len / case.output_len), 32768)
-    if raw_bs < 256:
-        bs = max(64, 32 * math.ceil(raw_bs / 32))
-    elif raw_bs < 1024:
-        bs = 128 * math.ceil(raw_bs / 128)
-    else:
-        bs = 256 * math.ceil(raw_bs / 256)
-    if raw_token < 4096:
-        tokens = max(2048, 256 * math.ceil(raw_token / 256))
-    elif raw_token < 8192:
-        tokens = 512 * math.ceil(raw_token / 512)
-    else:
-        tokens = 1024 * math.ceil(raw_token / 1024)
-    return max(bs, 1), tokens
+    bs = max(64, _round_up(raw_bs, ((256, 32), (1024, 128), (math.inf, 256))))
+    tokens = max(2048, _round_up(raw_token, ((4096, 256), (8192, 512), (math.inf, 1024))))
+    return bs, tokens
+
+
+def _round_up(value: float, tiers: tuple[tuple[float, int], ...]) -> int:
+    """value rounded up to the step of the first tier whose bound it is below."""
+    step = next(step for bound, step in tiers if value < bound)
+    return step * math.ceil(value / step)
 
 
 def _version(text: str | None) -> tuple[int, ...]:
