@@ -75,6 +75,10 @@ class EfficiencyTable:
     # 0: a kernel takes the larger of its compute and memory times; p > 0: their p-norm (below
     # the ridge's corner, as measured kernels are)
     roofline_p: float = 0.0
+    # s per request on the HTTP serving path, serial beside the engine: the API server's parsing,
+    # chat template and tokenization and the benchmark client's own work (see simulate._FrontEnd).
+    # Offline runs (the engine's Python API) do not pay it.
+    t_request_http: float = 0.0
     basis: str = "default efficiencies"
     fitted_on: list[str] = field(default_factory=list)  # published case ids
     # Other engines' kernels relative to vLLM's (ours follow vLLM's design): a factor on the
@@ -183,13 +187,23 @@ _SHARED_BOUNDS = {
     "t_layer": (0.0, 1e-2),
     "t_layer_eager": (0.0, 1e-2),
     "roofline_p": (0.0, 100.0),
+    "t_request_http": (0.0, 1.0),
 }
 
 
 def engine_key(engine: str) -> str:
-    """ "TensorRT-LLM (Triton tensorrtllm_backend)" -> "tensorrt-llm"; vLLM forks count as vLLM."""
+    """ "TensorRT-LLM (Triton tensorrtllm_backend)" -> "tensorrt-llm"; vLLM forks count as vLLM;
+    "vllm-v0" (vLLM before 0.8, see published.engine_of) stays itself."""
     key = (engine.split() or ["vllm"])[0].lower()
+    if key == VLLM_V0:
+        return key
     return "vllm" if key.endswith("vllm") else key
+
+
+# vLLM before 0.8 (its V0 engine): the same kernels as V1 (cuBLAS GEMMs, FlashAttention), so no
+# GEMM factor of its own, but a Python step loop without V1's persistent batch and piecewise
+# CUDA graphs around torch.compile: its own factor on the fixed costs.
+VLLM_V0 = "vllm-v0"
 
 
 def load_table(path: Path | None = None) -> EfficiencyTable:
@@ -238,7 +252,7 @@ def parameter_names(
     return (
         names
         + list(_SHARED_BOUNDS)
-        + [f"engine:{e}" for e in others]
+        + [f"engine:{e}" for e in others if e != VLLM_V0]
         + [f"engine_overhead:{e}" for e in others]
     )
 

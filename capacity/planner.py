@@ -69,6 +69,9 @@ class GpuPlan:
     coefficients: PerfCoefficients | None = None  # the step-time model's, as assumed
     hardware: Hardware | None = None  # the peaks the efficiencies are fractions of
     fits_at_tp: int | None = None  # when this tp does not fit: the smallest of LARGER_TPS that does
+    # s per request on the HTTP path before the scheduler (the table's t_request_http; 0 when
+    # calibrated: a step profile does not measure it)
+    request_cost_s: float = 0.0
     sim: SimResult | None = None
     replicas: int = 1  # tp groups needed to meet the deadline (1 without a deadline)
     replica_makespan_s: float = 0.0  # one replica's share of the batch
@@ -160,6 +163,8 @@ def plan_gpu(
     )
     result.basis = coefficients.basis
     result.coefficients = coefficients
+    if not (calibration is not None and _same_gpu(calibration.machine, gpu)):
+        result.request_cost_s = load_table().t_request_http
     result.hardware = datasheet_hardware(gpu, normalize_dtype(settings.dtype, WEIGHT_FORMATS))
     step_time = _step_time(spec, tp, settings.dtype, settings.kv_cache_dtype, coefficients)
     # A pool larger than the whole workload's tokens behaves like one that holds exactly them;
@@ -174,12 +179,15 @@ def plan_gpu(
         max_model_len=max_model_len,
     )
     result.sim = simulate(
-        trace, step_time, engine, load=settings.load, speculation=settings.speculation
-    )
+        trace, step_time, engine, load=settings.load, speculation=settings.speculation,
+        request_cost_s=result.request_cost_s,
+    )  # fmt: skip
     if engine.num_blocks < result.memory.num_blocks:  # usage of the real pool, not the cap
         scale = engine.num_blocks / result.memory.num_blocks
         result.sim.kv_usage = [(t, used * scale) for t, used in result.sim.kv_usage]
-    result.replicas, shard = _replicas(trace, step_time, engine, result.sim, settings)
+    result.replicas, shard = _replicas(
+        trace, step_time, engine, result.sim, settings, result.request_cost_s
+    )
     result.replica_makespan_s = shard.makespan_s
     result.latency = _latency(result.sim)
     return result
@@ -231,6 +239,7 @@ def _replicas(
     engine: EngineShape,
     whole: SimResult,
     settings: PlanSettings,
+    request_cost_s: float = 0.0,
 ) -> tuple[int, SimResult]:
     """The fewest replicas whose share of the batch (every n-th request, and its share of the
     load's rate or concurrency) ends by the deadline."""
@@ -248,6 +257,7 @@ def _replicas(
             engine,
             load=settings.load.split(replicas),
             speculation=settings.speculation,
+            request_cost_s=request_cost_s,
         )
         if shard.makespan_s <= deadline_s:
             return replicas, shard

@@ -29,6 +29,7 @@ import numpy as np
 from capacity.efficiency import (
     DEFAULTS,
     GENERATION,
+    VLLM_V0,
     EfficiencyTable,
     bounds_of,
     engine_key,
@@ -64,7 +65,7 @@ RESTARTS = 8  # pull of the defaults, in squared log units per parameter
 TRTLLM_KV_FREE_FRACTION = 0.90
 # Where the fit's search starts for terms the defaults leave out: the per-layer cost (s) and the
 # soft roofline's exponent.
-SEARCH_STARTS = {"t_layer": 5e-5, "roofline_p": 4.0}
+SEARCH_STARTS = {"t_layer": 5e-5, "roofline_p": 4.0, "t_request_http": 5e-3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,9 @@ class PublishedCase:
     max_model_len: int | None = None
     complete: bool = True  # every setting given by the source (else some are defaults)
     enforce_eager: bool = False  # vLLM run without CUDA graphs
+    # Sent over HTTP to an OpenAI-compatible server by a benchmark client (vllm bench serve,
+    # genai-perf); not: the engine's Python API (vLLM's LLM class, trtllm-bench).
+    served: bool = False
 
     @property
     def held_out(self) -> bool:
@@ -165,6 +169,8 @@ def load_cases(path: Path = PUBLISHED_PATH) -> tuple[list[PublishedCase], list[S
             max_model_len=f.integer("max_model_len", 1, 10_000_000, None),
             complete=_flag(f, "complete", True),
             enforce_eager=_flag(f, "enforce_eager", False),
+            # Online modes are a client's; a batch of requests may be either.
+            served=_flag(f, "served", mode in ("concurrency", "poisson")),
         )
         if case.value <= 0:
             raise f.error("value must be positive")
@@ -215,7 +221,7 @@ def vllm_defaults(case: PublishedCase, gpu: GpuSpec) -> tuple[int, int]:
     1024 sequences and 16384 tokens offline (LLM class) / 8192 served, others 256 and 8192 /
     2048; V1 before it (0.8) 256 and 8192 / 2048; V0 256 sequences and no chunked prefill (the
     whole prompt in one step: max_model_len tokens)."""
-    offline = case.mode == "batch"
+    offline = not case.served
     version = _version(case.engine_version)
     if version >= (0, 9):
         if gpu.memory_bytes >= 70 * (1 << 30) and "a100" not in gpu.name.lower():
@@ -251,6 +257,14 @@ def _round_up(value: float, tiers: tuple[tuple[float, int], ...]) -> int:
     """value rounded up to the step of the first tier whose bound it is below."""
     step = next(step for bound, step in tiers if value < bound)
     return step * math.ceil(value / step)
+
+
+def engine_of(case: PublishedCase) -> str:
+    """The case's engine as the efficiency table keys it: vLLM before 0.8 (V0) apart."""
+    key = engine_key(case.engine)
+    if key == "vllm" and _version(case.engine_version) < (0, 8):
+        return VLLM_V0
+    return key
 
 
 def _version(text: str | None) -> tuple[int, ...]:
@@ -339,7 +353,10 @@ def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = N
         times.append(model.step_time(shape))
         return times[-1]
 
-    sim = simulate(trace, step_time, engine, load=load, vocab=spec.vocab_size)
+    sim = simulate(
+        trace, step_time, engine, load=load, vocab=spec.vocab_size,
+        request_cost_s=table.t_request_http if case.served else 0.0,
+    )  # fmt: skip
     return _record(case, spec, gpu, sim, shapes, np.array(times), engine, model)
 
 
@@ -370,7 +387,7 @@ def _load(case: PublishedCase, n: int) -> Load:
 def _model(case: PublishedCase, spec: ModelSpec, gpu: GpuSpec, table: EfficiencyTable):
     return PerfModel(
         model_costs(spec, case.dtype, _kv_dtype(case), case.tp),
-        table.coefficients(gpu, case.dtype, case.tp, case.engine, case.enforce_eager),
+        table.coefficients(gpu, case.dtype, case.tp, engine_of(case), case.enforce_eager),
     )
 
 
@@ -419,7 +436,7 @@ def _features(shapes: list[StepShape], costs) -> dict:
 def step_times(run: CaseRun, table: EfficiencyTable) -> np.ndarray:
     """The run's step times under another table: PerfModel.step_time, vectorised."""
     c = table.coefficients(
-        run.gpu, run.case.dtype, run.case.tp, run.case.engine, run.case.enforce_eager
+        run.gpu, run.case.dtype, run.case.tp, engine_of(run.case), run.case.enforce_eager
     )
     f = run.features
     gemm = roofline(f["gemm"] * c.k_compute, f["weights"] * c.k_memory, c.roofline_p)
@@ -431,16 +448,22 @@ def step_times(run: CaseRun, table: EfficiencyTable) -> np.ndarray:
 
 
 def predict(run: CaseRun, table: EfficiencyTable) -> float:
-    """The case's metric under the table, from the recorded schedule."""
-    ends = np.cumsum(step_times(run, table) + run.idle_s)
+    """The case's metric under the table, from the recorded schedule. A batch sent over HTTP:
+    the engine waited only for the front end (its idle gaps came from t_request_http), so the
+    gaps are left out and the run takes at least the front end's time for every request (a
+    two-stage pipeline; the simulation itself queues them, see build_run)."""
+    case = run.case
+    frontend = case.served and case.mode == "batch"
+    ends = np.cumsum(step_times(run, table) + (0.0 if frontend else run.idle_s))
     if run.arrival_in_steps:
         arrival = np.where(run.arrival < 0, 0.0, ends[np.maximum(run.arrival, 0)])
     else:
         arrival = run.arrival
     first, finish = ends[run.first_step], ends[run.finish_step]
-    case = run.case
     n = len(first)
     makespan = finish.max() - arrival.min()
+    if frontend:
+        makespan = max(makespan, n * table.t_request_http)
     out = case.output_len
     tpot = (finish - first) / max(out - 1, 1)
     if case.metric == "output_tokens_per_s":
@@ -491,9 +514,7 @@ def fit_table(
     generations = tuple(sorted({_generation(r.gpu) for r in train} - {""}))
     names = [
         n
-        for n in parameter_names(
-            generations, tuple(sorted({engine_key(r.case.engine) for r in train}))
-        )
+        for n in parameter_names(generations, tuple(sorted({engine_of(r.case) for r in train})))
         if _constrained(n, train)
     ]
     table = start
@@ -508,7 +529,12 @@ def fit_table(
                                         ("gemm", "memory", "t_step")})  # fmt: skip
     for round_ in range(rounds):
         if round_:
-            train = [build_run(r.case, table) if r.case.mode == "poisson" else r for r in train]
+            # Arrivals in seconds (Poisson) and the HTTP front end's queue: their schedule
+            # depends on the table.
+            train = [
+                build_run(r.case, table) if r.case.mode == "poisson" or r.case.served else r
+                for r in train
+            ]
         # Nelder-Mead stalls in many dimensions: restart from its own result until it stops
         # improving.
         best = _objective(train, table, names, start)
@@ -540,6 +566,8 @@ def _constrained(name: str, runs: list[CaseRun]) -> bool:
         return len(nvlink) < len(tp)
     if name == "t_layer_eager":
         return any(r.case.enforce_eager for r in runs)
+    if name == "t_request_http":
+        return any(r.case.served for r in runs)
     return True
 
 
@@ -563,7 +591,7 @@ def _nelder_mead(runs, table, names, start, iterations: int = 1500) -> Efficienc
     """Minimise the objective over the parameters, each searched in log space (zero-valued
     ones from a small floor) within its bounds."""
     floors = {"t_step": 1e-4, "t_row": 1e-6, "t_logit": 1e-12, "allreduce_nvlink_s": 1e-6,
-              "allreduce_pcie_s": 1e-6, "t_layer": 1e-6}  # fmt: skip
+              "allreduce_pcie_s": 1e-6, "t_layer": 1e-6, "t_request_http": 1e-5}  # fmt: skip
 
     def x_of(t: EfficiencyTable) -> np.ndarray:
         return np.array(

@@ -214,6 +214,7 @@ def assumptions(plan: GpuPlan) -> dict | None:
         "t_logit_s": c.t_logit,
         "t_allreduce_s": c.t_allreduce,
         "link_bytes_per_s": 1.0 / c.k_link if c.k_link > 0 else None,
+        "t_request_http_s": plan.request_cost_s,
     }
 
 

@@ -70,7 +70,11 @@ def validate_published(
             )
         table = fit_table(runs).table
         save_table(table, fit_out)
-        runs = [build_run(run.case, table) if run.case.mode == "poisson" else run for run in runs]
+        # Poisson arrivals and the HTTP front end's queue: schedules that depend on the table.
+        runs = [
+            build_run(run.case, table) if run.case.mode == "poisson" or run.case.served else run
+            for run in runs
+        ]
     rows = []
     for run in runs:
         case = run.case

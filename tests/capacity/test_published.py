@@ -16,6 +16,7 @@ from capacity.model_specs import load_model_spec
 from capacity.published import (
     PUBLISHED_PATH,
     build_run,
+    engine_of,
     fit_table,
     load_cases,
     predict,
@@ -93,11 +94,43 @@ def test_vllm_defaults_follow_version_and_gpu(tmp_path):
     h100, a100 = find_gpu("H100"), find_gpu("A100-80GB")
     assert vllm_defaults(case, h100) == (1024, 16384)
     assert vllm_defaults(case, a100) == (256, 8192)
-    served = replace(case, mode="concurrency", concurrency=8)
+    served = replace(case, mode="concurrency", concurrency=8, served=True)
     assert vllm_defaults(served, h100) == (1024, 8192)
     assert vllm_defaults(replace(case, engine_version="0.8.4"), h100) == (256, 8192)
     old = replace(case, engine_version="0.6.3")
     assert vllm_defaults(old, h100) == (256, 2048)
+
+
+def test_a_batch_sent_over_http_is_served(tmp_path):
+    """A batch a benchmark client sent to `vllm serve` (GPUStack's 1000 prompts at once) runs
+    with the server's defaults (8192 batched tokens on an H100, not the LLM class's 16384) and
+    through the HTTP front end: at least t_request_http per request."""
+    records = [{"num_requests": 200, "input_len": 128, "output_len": 4}]
+    records.append({**records[0], "id": "y", "served": True})
+    (offline, served), _ = load_cases(_write(tmp_path, records))
+    assert not offline.served and served.served
+    h100 = find_gpu("H100")
+    assert vllm_defaults(offline, h100) == (1024, 16384)
+    assert vllm_defaults(served, h100) == (1024, 8192)
+    table = with_values(DEFAULTS, {"t_request_http": 0.05})
+    fast, slow = build_run(offline, table), build_run(served, table)
+    assert predict(slow, table) == pytest.approx(200 * 4 / (200 * 0.05), rel=0.05)
+    assert predict(fast, table) > 3 * predict(slow, table)
+    quicker = with_values(table, {"t_request_http": 0.02})
+    assert predict(build_run(served, quicker), quicker) > 2 * predict(slow, table)
+    cases, _ = load_cases(_write(tmp_path, [{"mode": "concurrency", "concurrency": 4}]))
+    assert cases[0].served  # online modes are a client's
+
+
+def test_vllm_before_0_8_is_its_own_engine_for_fixed_costs(tmp_path):
+    cases, _ = load_cases(_write(tmp_path, [{}, {"id": "y", "engine_version": "0.6.3"}]))
+    assert [engine_of(c) for c in cases] == ["vllm", "vllm-v0"]
+    table = replace(DEFAULTS, t_layer=1e-4, engine_overheads={"vllm-v0": 2.0})
+    h100 = find_gpu("H100")
+    v1 = table.coefficients(h100, "bf16", 1, engine_of(cases[0]))
+    v0 = table.coefficients(h100, "bf16", 1, engine_of(cases[1]))
+    assert v0.t_layer == pytest.approx(2 * v1.t_layer) and v0.t_step == pytest.approx(2 * v1.t_step)
+    assert v0.k_compute == v1.k_compute  # the same kernels
 
 
 def test_trtllm_bench_settings_follow_its_tuning_heuristic(tmp_path):

@@ -222,3 +222,32 @@ def test_concurrency_mode_keeps_at_most_that_many_in_flight(concurrency):
 def test_a_load_without_its_number_is_refused(load):
     with pytest.raises(ValueError, match="--"):
         Load(**load)
+
+
+@pytest.mark.parametrize("mode", ["batch", "poisson", "concurrency"])
+def test_the_http_front_end_hands_requests_over_one_after_another(mode):
+    """A serial front end of 1 s per request: ten requests sent at once reach the scheduler at
+    1, 2, ... 10 s (the run takes at least 10 s, each TTFT counts its wait); without it they
+    all start at once."""
+    trace = [TraceRecord(0, 32, 4, [i]) for i in range(10)]
+    load = {
+        "batch": Load("batch"),
+        "poisson": Load("poisson", rate=1000.0),
+        "concurrency": Load("concurrency", concurrency=10),
+    }[mode]
+    fronted = simulate(trace, _constant_step, _SMALL, load=load, request_cost_s=1.0)
+    direct = simulate(trace, _constant_step, _SMALL, load=load)
+    assert fronted.makespan_s >= 10.0 > 1.0 > direct.makespan_s
+    firsts = sorted(r.first_token_s for r in fronted.requests)
+    assert all(b - a >= 1.0 - 1e-9 for a, b in zip(firsts, firsts[1:]))
+    assert min(r.ttft_s for r in fronted.requests) >= 1.0
+    assert all(r.output_length == 4 and r.finish_s is not None for r in fronted.requests)
+
+
+def test_a_front_end_faster_than_the_arrivals_costs_only_its_own_time():
+    """Requests 10 s apart through a 0.5 s front end: each waits 0.5 s, none queues."""
+    trace = [TraceRecord(t * 10_000.0, 32, 4, [t]) for t in range(3)]
+    run = simulate(trace, _constant_step, _SMALL, load=Load("trace"), request_cost_s=0.5)
+    plain = simulate(trace, _constant_step, _SMALL, load=Load("trace"))
+    for a, b in zip(run.requests, plain.requests):
+        assert a.ttft_s == pytest.approx(b.ttft_s + 0.5)
