@@ -17,6 +17,7 @@ from capacity.published import (
     PUBLISHED_PATH,
     build_run,
     engine_of,
+    fit_request_cost,
     fit_table,
     load_cases,
     predict,
@@ -279,3 +280,21 @@ def test_validate_without_traces_or_published_is_a_usage_error():
     result = CliRunner().invoke(app, ["capacity", "validate"])
     assert result.exit_code == 2
     assert "--train" in result.output
+
+
+def test_the_front_end_cost_is_found_where_it_binds(tmp_path):
+    """fit_request_cost finds the per-request cost a front-end-bound served batch was generated
+    with (a local search started where it does not bind would never move it), and leaves a table
+    alone without served training cases."""
+    records = [{"num_requests": 300, "input_len": 64, "output_len": 2, "served": True, "id": id_}
+               for id_ in ("a", "b", "c", "d")]  # fmt: skip
+    cases, _ = load_cases(_write(tmp_path, records))
+    truth = with_values(DEFAULTS, {"t_request_http": 0.03})
+    runs = [build_run(c, DEFAULTS) for c in cases]
+    for run in runs:
+        run.case = replace(run.case, value=predict(run, truth))
+    assert any(not r.case.held_out for r in runs)
+    found = fit_request_cost(runs, DEFAULTS).t_request_http
+    assert found == pytest.approx(0.03, rel=0.07)
+    offline = [replace(r, case=replace(r.case, served=False)) for r in runs]
+    assert fit_request_cost(offline, DEFAULTS) is DEFAULTS
