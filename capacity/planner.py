@@ -122,9 +122,13 @@ def coefficients_for(
 ) -> PerfCoefficients:
     """The calibration when it was made on this GPU, else the datasheet with the efficiency
     table (fitted on published results)."""
-    if calibration is not None and _same_gpu(calibration.machine, gpu):
+    if _calibrated(gpu, calibration):
         return calibration.coefficients
     return (table or load_table()).coefficients(gpu, dtype, tp, eager=eager)
+
+
+def _calibrated(gpu: GpuSpec, calibration: Calibration | None) -> bool:
+    return calibration is not None and _same_gpu(calibration.machine, gpu)
 
 
 def _same_gpu(machine: str, gpu: GpuSpec) -> bool:
@@ -158,13 +162,14 @@ def plan_gpu(
         result.error = str(exc)
         result.fits_at_tp = smallest_fitting_tp(spec, gpu, tp, settings, max_model_len)
         return result
+    table = None if _calibrated(gpu, calibration) else load_table()
     coefficients = coefficients_for(
-        gpu, settings.dtype, calibration, tp, eager=settings.enforce_eager
+        gpu, settings.dtype, calibration, tp, table, eager=settings.enforce_eager
     )
     result.basis = coefficients.basis
     result.coefficients = coefficients
-    if not (calibration is not None and _same_gpu(calibration.machine, gpu)):
-        result.request_cost_s = load_table().t_request_http
+    if table is not None:
+        result.request_cost_s = table.t_request_http
     result.hardware = datasheet_hardware(gpu, normalize_dtype(settings.dtype, WEIGHT_FORMATS))
     step_time = _step_time(spec, tp, settings.dtype, settings.kv_cache_dtype, coefficients)
     # A pool larger than the whole workload's tokens behaves like one that holds exactly them;

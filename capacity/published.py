@@ -259,6 +259,13 @@ def _round_up(value: float, tiers: tuple[tuple[float, int], ...]) -> int:
     return step * math.ceil(value / step)
 
 
+def timed_schedule(case: PublishedCase) -> bool:
+    """Whether the case's schedule depends on the table, so that a new table needs a new
+    simulation and not only a re-timing: arrivals in seconds (Poisson), and the HTTP front end's
+    queue (which hands requests over at times, not at step ends)."""
+    return case.mode == "poisson" or case.served
+
+
 def engine_of(case: PublishedCase) -> str:
     """The case's engine as the efficiency table keys it: vLLM before 0.8 (V0) apart."""
     key = engine_key(case.engine)
@@ -529,12 +536,7 @@ def fit_table(
                                         ("gemm", "memory", "t_step")})  # fmt: skip
     for round_ in range(rounds):
         if round_:
-            # Arrivals in seconds (Poisson) and the HTTP front end's queue: their schedule
-            # depends on the table.
-            train = [
-                build_run(r.case, table) if r.case.mode == "poisson" or r.case.served else r
-                for r in train
-            ]
+            train = [build_run(r.case, table) if timed_schedule(r.case) else r for r in train]
         # Nelder-Mead stalls in many dimensions: restart from its own result until it stops
         # improving.
         best = _objective(train, table, names, start)

@@ -38,7 +38,14 @@ def validate_published(
     jobs: int | None = None,
 ) -> None:
     from capacity.efficiency import load_table, save_table
-    from capacity.published import PUBLISHED_PATH, build_run, error_pct, fit_table, load_cases
+    from capacity.published import (
+        PUBLISHED_PATH,
+        build_run,
+        error_pct,
+        fit_table,
+        load_cases,
+        timed_schedule,
+    )
     from nightshift.capacity_commands import _outputs
 
     _outputs({"-o": out, **({"--fit": fit_out} if fit_out else {})})
@@ -70,11 +77,7 @@ def validate_published(
             )
         table = fit_table(runs).table
         save_table(table, fit_out)
-        # Poisson arrivals and the HTTP front end's queue: schedules that depend on the table.
-        runs = [
-            build_run(run.case, table) if run.case.mode == "poisson" or run.case.served else run
-            for run in runs
-        ]
+        runs = [build_run(run.case, table) if timed_schedule(run.case) else run for run in runs]
     rows = []
     for run in runs:
         case = run.case
