@@ -11,7 +11,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.server.errors import error_response
+from engine.server.error_body import error_response
 
 API_KEY_ENV = "NIGHTSHIFT_API_KEY"
 # Routes outside /v1/ that use the model (its tokenizer), so need the key as vLLM asks for it.

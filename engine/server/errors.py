@@ -1,7 +1,8 @@
 """Every error the server answers has OpenAI's body, {"error": {message, type, param, code}}:
 bad input (400), auth (401), unknown routes (404/405), oversized bodies (413), a full queue
 (429), engine failures (500) and shutdown (503). Streams that fail after their first byte end
-with the same object as an SSE event, then `data: [DONE]`."""
+with the same object as an SSE event, then `data: [DONE]`. The body itself, and APIError, are in
+error_body.py (no engine imports)."""
 
 from __future__ import annotations
 
@@ -16,55 +17,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.async_engine import QueueFullError
 from engine.errors import EngineShutdownError, RequestFailedError, StructuredOutputFailedError
 
+# Re-exported: the serving modules import them from here.
+from engine.server.error_body import APIError, error_body, error_response
+
 logger = logging.getLogger(__name__)
-
-# OpenAI's error types by status, for errors that carry none of their own.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",  # as OpenAI answers an unknown URL or model
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or _TYPES.get(status, "invalid_request_error")
-
-
-def error_body(
-    message: str, kind: str, param: str | None = None, code: str | int | None = None
-) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_response(
-    status: int,
-    message: str,
-    kind: str | None = None,
-    param: str | None = None,
-    code: str | int | None = None,
-) -> JSONResponse:
-    body = error_body(message, kind or _TYPES.get(status, "invalid_request_error"), param, code)
-    response = JSONResponse(body, status_code=status)
-    if status == 429:
-        response.headers["Retry-After"] = "1"
-    return response
 
 
 def as_api_error(e: BaseException) -> APIError:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.server.errors import APIError, error_response
+from engine.server.error_body import APIError, error_response
 
 
 @dataclass(frozen=True, slots=True)
