@@ -13,6 +13,7 @@ import typer
 from nightshift.capacity_commands import capacity_app
 from nightshift.cli_errors import user_errors
 from nightshift.digest_commands import db_app, digest_app
+from nightshift.router_commands import router_command, serve_data_parallel_from_cli
 from nightshift.workload_commands import workload_app
 
 app = typer.Typer(name="nightshift", no_args_is_help=True, help="Self-hosted LLM inference.")
@@ -90,6 +91,7 @@ def generate(
 
 @app.command("serve")
 def serve(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
     served_model_name: Annotated[
         str | None, typer.Option(help="Model name clients use (default: --model).")
@@ -191,6 +193,14 @@ def serve(
     ] = None,
     prompt_lookup_min: Annotated[int, typer.Option(help="ngram: shortest suffix matched.")] = 2,
     prompt_lookup_max: Annotated[int, typer.Option(help="ngram: longest suffix matched.")] = 4,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option(
+            help="Engines behind a prefix-aware router on --port; engine i listens on "
+            "127.0.0.1:PORT+1+i (each on its own GPUs).",
+            min=1,
+        ),
+    ] = 1,
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
@@ -226,6 +236,17 @@ def serve(
             prompt_lookup_max=prompt_lookup_max,
         )
         key = resolve_api_key(api_key, api_key_file)
+        if data_parallel_size > 1:  # N engines and the router (engine/router/data_parallel.py)
+            return serve_data_parallel_from_cli(
+                ctx,
+                data_parallel_size,
+                host,
+                port,
+                key,
+                allow_unauthenticated,
+                grace_period,
+                device,
+            )
         run_server(
             config,
             host,
@@ -407,6 +428,7 @@ def bench_speculative(
         run_spec_bench(cfg, echo=typer.echo)
 
 
+app.command("router")(router_command)
 app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
 app.add_typer(workload_app, name="workload")

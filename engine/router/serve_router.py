@@ -1,0 +1,106 @@
+"""`nightshift router`: the router app under uvicorn, with the server's stop rules: SIGTERM (or
+Ctrl-C) stops accepting, lets requests in flight finish for up to the grace period, and exits 0.
+It binds to loopback unless told; beyond loopback it wants an API key (or
+--allow-unauthenticated), as `nightshift serve` does, since it hands out the replicas' model.
+
+The router imports no torch (engine/server/error_body.py and auth.py are light): it starts in
+well under a second and fits a small pod."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+
+import uvicorn
+
+from engine.router.app import create_router_app
+from engine.router.replica_set import ReplicaSet
+from engine.router.router_config import RouterConfig
+from engine.server.auth import API_KEY_ENV, is_loopback
+
+log = logging.getLogger(__name__)
+
+
+class RouterBindError(ValueError):
+    """Listening beyond loopback without an API key, and without saying so on purpose."""
+
+
+def check_router_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    if api_key or allow_unauthenticated or is_loopback(host):
+        return
+    raise RouterBindError(
+        f"refusing to listen on {host} without an API key: anyone who reaches it could use the "
+        f"replicas' model. Set ${API_KEY_ENV} or --api-key-file, or pass --allow-unauthenticated"
+    )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; OSError names the address (port in use, bad host) in one line."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn's server, except that a graceful stop exits 0 (uvicorn re-raises the captured
+    SIGTERM, which a supervisor reads as a crash), and `on_signal` hears every stop signal
+    first (the data-parallel supervisor passes it on to its engines)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None] | None = None):
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.on_signal is not None:
+            self.on_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self.handle_exit)
+        yield
+
+
+def router_server(
+    config: RouterConfig,
+    api_key: str | None,
+    grace_period: float,
+    on_signal: Callable[[], None] | None = None,
+    background: Sequence[Callable[[ReplicaSet], Awaitable[None]]] = (),
+) -> RouterServer:
+    app = create_router_app(config, api_key, background)
+    server_config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=grace_period, lifespan="on"
+    )
+    return RouterServer(server_config, on_signal)
+
+
+def run_router(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    allow_unauthenticated: bool = False,
+    grace_period: float = 30.0,
+) -> None:
+    """Runs until SIGTERM/SIGINT."""
+    check_router_bind(host, api_key, allow_unauthenticated)
+    sock = listen(host, port)
+    backends = ", ".join(config.backends + [f"dns:{n}" for n in config.backend_dns])
+    log.info(
+        "router on http://%s:%d (%s policy) in front of %s", host, port, config.policy, backends
+    )
+    try:
+        router_server(config, api_key, grace_period).run(sockets=[sock])
+    finally:
+        sock.close()
