@@ -20,6 +20,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 
 from digest.clean_text import xml_safe
+from digest.endpoint_pool import EndpointPool
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ _TRANSIENT_ERRORS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemotePro
 class ChatClientConfig:
     base_url: str  # like "http://127.0.0.1:8000/v1", as the openai client takes it
     model: str
+    # Several endpoints used as one (endpoint_pool.py); empty: base_url alone.
+    base_urls: tuple[str, ...] = ()
     api_key: str | None = None
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 300.0  # the longest gap between two received bytes
@@ -52,6 +55,7 @@ class ChatResult:
     latency_s: float  # of the successful attempt
     started_at: datetime  # UTC, when the successful attempt began
     attempts: int
+    endpoint: str = ""  # the base URL that answered (one of several, with an endpoint pool)
 
 
 class ChatCallError(Exception):
@@ -118,7 +122,8 @@ class ChatClient:
         )
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
         self._http = httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits)
-        self._url = f"{config.base_url.rstrip('/')}/chat/completions"
+        urls = config.base_urls or (config.base_url,)
+        self._pool = EndpointPool([u.rstrip("/") for u in urls])
         # Held only while an attempt runs, so queueing and backoff never count towards ttft.
         self._slots = asyncio.Semaphore(concurrency)
 
@@ -154,7 +159,7 @@ class ChatClient:
             attempts += 1
             try:
                 async with self._slots:
-                    result = await self._attempt(body, attempts)
+                    result = await self._attempt_somewhere(body, attempts)
                 if send_format is not None:
                     self.json_schema_supported = True
                 return result
@@ -197,10 +202,24 @@ class ChatClient:
             body["response_format"] = response_format
         return body
 
-    async def _attempt(self, body: dict, attempt: int) -> ChatResult:
+    async def _attempt_somewhere(self, body: dict, attempt: int) -> ChatResult:
+        """One attempt at the endpoint the pool picks; one that fails transiently sits out."""
+        endpoint = self._pool.acquire(body["messages"])
+        try:
+            result = await self._attempt(body, attempt, endpoint.url)
+        except _Retryable as e:
+            self._pool.failed(endpoint, str(e))
+            raise
+        finally:
+            self._pool.release(endpoint)
+        result.endpoint = endpoint.url
+        return result
+
+    async def _attempt(self, body: dict, attempt: int, base_url: str) -> ChatResult:
         started_at, t0 = datetime.now(UTC), time.monotonic()
         try:
-            async with self._http.stream("POST", self._url, json=body) as resp:
+            url = f"{base_url}/chat/completions"
+            async with self._http.stream("POST", url, json=body) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     raise _status_error(resp, "response_format" in body)

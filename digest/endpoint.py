@@ -1,6 +1,8 @@
 """Where the digest's model calls go: `local` starts `nightshift serve` with the default model on a
 free loopback port for the length of the run; a URL is any OpenAI-compatible server, ours or a
-cloud one, used unchanged."""
+cloud one, used unchanged (a `nightshift router` in front of replicas too); several URLs
+(`--endpoint URL1,URL2`) are servers of the same model used as one, a paper's calls kept on one
+of them (endpoint_pool.py). A repeated --endpoint still means the last one, as it always did."""
 
 from __future__ import annotations
 
@@ -27,11 +29,28 @@ class EndpointError(ValueError):
     """The endpoint options do not make sense (e.g. a URL without --model)."""
 
 
+# The runs and calls tables keep an endpoint in 500 characters.
+LABEL_CHARS = 500
+
+
 @dataclass(slots=True, frozen=True)
 class Endpoint:
-    base_url: str
+    base_url: str  # the one URL, or the label of several
     model: str
     api_key: str | None
+    base_urls: tuple[str, ...] = ()  # each of several endpoints; empty: base_url alone
+
+
+def endpoint_urls(endpoint: str) -> list[str]:
+    """The URLs of --endpoint: one, or several comma-separated."""
+    return [u.strip().rstrip("/") for u in endpoint.split(",") if u.strip()]
+
+
+def endpoints_label(urls: list[str]) -> str:
+    label = ",".join(urls)
+    if len(label) <= LABEL_CHARS:
+        return label
+    return f"{urls[0]} and {len(urls) - 1} more"[:LABEL_CHARS]
 
 
 def local_model_name(local_model: str) -> str:
@@ -55,11 +74,19 @@ def check_endpoint(
     """Validate the endpoint options before any work; returns (model name, endpoint label)."""
     if endpoint == LOCAL:
         return model or local_model_name(local_model), LOCAL
-    check_url(endpoint)
+    urls = endpoint_urls(endpoint)
+    if not urls:
+        raise EndpointError("--endpoint names no URL")
+    for url in urls:
+        if url == LOCAL and len(urls) > 1:
+            raise EndpointError("--endpoint local cannot be combined with URLs")
+        check_url(url)
+    if len(set(urls)) != len(urls):
+        raise EndpointError("--endpoint names the same URL twice")
     if not model:
         raise EndpointError("--model is required with --endpoint URL (the server's model name)")
     api_key_from_env(api_key_env)
-    return model, endpoint.rstrip("/")
+    return model, endpoints_label(urls)
 
 
 def check_url(endpoint: str) -> None:
@@ -89,7 +116,9 @@ def open_endpoint(
 ) -> Iterator[Endpoint]:
     name, label = check_endpoint(endpoint, model, api_key_env, local_model)
     if endpoint != LOCAL:
-        yield Endpoint(label, name, api_key_from_env(api_key_env))
+        urls = endpoint_urls(endpoint)
+        several = tuple(urls) if len(urls) > 1 else ()
+        yield Endpoint(label, name, api_key_from_env(api_key_env), several)
         return
     folder = str(resolve_model(local_model))
     log.info("starting a local nightshift server for %s", name)
@@ -111,8 +140,8 @@ def context_tokens(
     headers = {}
     if key := (os.environ.get(api_key_env) if api_key_env else None):
         headers["Authorization"] = f"Bearer {key}"
-    try:
-        reply = httpx.get(f"{endpoint.rstrip('/')}/models", headers=headers, timeout=10)
+    try:  # of several endpoints (one model), the first answers for all
+        reply = httpx.get(f"{endpoint_urls(endpoint)[0]}/models", headers=headers, timeout=10)
         cards = reply.json().get("data", []) if reply.status_code == 200 else []
     except (httpx.HTTPError, ValueError, AttributeError):
         return None

@@ -354,6 +354,7 @@ async def _call_model(
 ) -> None:
     config = ChatClientConfig(
         base_url=endpoint.base_url,
+        base_urls=endpoint.base_urls,
         model=endpoint.model,
         api_key=endpoint.api_key,
         read_timeout_s=options.chat_read_timeout_s,
@@ -482,6 +483,7 @@ class _PaperCalls:
             record.started_at, record.latency_s = exc.started_at, exc.latency_s
             self.store.record_call(record)
             raise
+        record.endpoint = result.endpoint or record.endpoint  # which of several answered
         record.prompt_tokens = result.prompt_tokens
         record.completion_tokens = result.completion_tokens
         record.cached_tokens = result.cached_tokens

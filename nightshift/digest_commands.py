@@ -53,7 +53,11 @@ MaxPapersOpt = Annotated[int | None, typer.Option(help="Take at most this many p
 SourceOpt = Annotated[str, typer.Option(help="arxiv (query API), rss (announcements), or FILE.")]
 InputOpt = Annotated[str, typer.Option("--input", help="abstract or fulltext (arXiv HTML).")]
 EndpointOpt = Annotated[
-    str, typer.Option(help="'local' (start our server) or an OpenAI-compatible base URL.")
+    str,
+    typer.Option(
+        help="'local' (start our server), an OpenAI-compatible base URL, or several "
+        "comma-separated serving the same model (each paper's calls go to one of them)."
+    ),
 ]
 ModelOpt = Annotated[str | None, typer.Option(help="Model name (required with a URL).")]
 KeyEnvOpt = Annotated[
