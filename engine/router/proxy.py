@@ -138,10 +138,9 @@ class Proxy:
             first = await anext(events, b"")
             self.metrics.requests.labels(replica.url).inc()
             handed_over = True
-            return StreamingResponse(
-                self._relay(replica, upstream, first, events),
-                upstream.status_code,
-                headers,
+            lease = _StreamLease(replica, upstream)
+            return _RelayedStream(
+                self._relay(lease, first, events), upstream.status_code, headers, lease
             )
         except _CONNECTION_ERRORS as e:
             self.replicas.connection_failed(replica, e)
@@ -153,12 +152,9 @@ class Proxy:
                     await _close(upstream)
 
     async def _relay(
-        self,
-        replica: Replica,
-        upstream: httpx.Response,
-        first: bytes,
-        events: AsyncIterator[bytes],
+        self, lease: _StreamLease, first: bytes, events: AsyncIterator[bytes]
     ) -> AsyncIterator[bytes]:
+        replica = lease.replica
         try:
             if first:
                 yield first
@@ -173,8 +169,7 @@ class Proxy:
                 yield _sse(error_body(message, "internal_server_error", None, "stream_broken"))
                 yield b"data: [DONE]\n\n"
         finally:
-            replica.outstanding -= 1
-            await _close(upstream)
+            await lease.release()
 
     def _unavailable(self, tried: list[Replica], last: _NotStarted | None) -> Response:
         total = len(self.replicas.replicas)
@@ -223,6 +218,41 @@ async def _sse_events(upstream: httpx.Response) -> AsyncIterator[bytes]:
             buffer = buffer[match.end() :]
     if buffer:
         yield buffer
+
+
+@dataclass(slots=True)
+class _StreamLease:
+    """A relayed stream's hold on its replica: one request in flight and the upstream
+    connection, given back exactly once, whichever of the relay and the response ends first."""
+
+    replica: Replica
+    upstream: httpx.Response
+    released: bool = False
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.replica.outstanding -= 1
+        await _close(self.upstream)
+
+
+class _RelayedStream(StreamingResponse):
+    """A StreamingResponse that gives its lease back even when its body never ran (the caller
+    left before the first event was sent: Starlette then never starts the generator, whose own
+    `finally` would not run)."""
+
+    def __init__(self, content, status_code: int, headers: dict, lease: _StreamLease) -> None:
+        super().__init__(content, status_code, headers)
+        self.lease = lease
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.lease.release()
 
 
 def _sse(body: dict) -> bytes:

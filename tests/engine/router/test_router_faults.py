@@ -7,6 +7,7 @@ the request upstream; the router's key, body limit and bad options."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -15,7 +16,8 @@ import sys
 import httpx
 import pytest
 
-from engine.router.proxy import REPLICA_HEADER
+from engine.router.proxy import REPLICA_HEADER, _RelayedStream, _StreamLease
+from engine.router.replica import Replica
 from engine.router.router_config import RouterConfig, RouterConfigError, normalize_backend
 from engine.server.server_process import free_loopback_port
 from tests.engine.router.fake_replica import FakeReplica
@@ -229,3 +231,23 @@ def test_the_router_imports_no_torch():
     code = "import sys, engine.router.serve_router, engine.router.data_parallel; "
     code += "assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_stream_whose_caller_left_before_its_first_byte_gives_its_replica_back():
+    """Starlette never starts the body of a response whose caller is already gone: the lease
+    is given back by the response itself."""
+    replica = Replica("http://r:1", healthy=True, outstanding=1)
+    lease = _StreamLease(replica, httpx.Response(200, content=b""))
+
+    async def body():
+        yield b"never sent"
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(1)  # the caller is gone; the disconnect wins
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}, "headers": []}
+    asyncio.run(_RelayedStream(body(), 200, {}, lease)(scope, receive, send))
+    assert lease.released and replica.outstanding == 0
