@@ -29,6 +29,7 @@ from engine.config import EngineConfig
 from engine.errors import (
     STRUCTURED_OUTPUT_FAILED,
     EngineShutdownError,
+    ExecutorFailedError,
     RequestFailedError,
     StructuredOutputFailedError,
 )
@@ -164,6 +165,10 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._unadded_samples = 0
         self._stopping = False
+        # Why the engine died (a tensor-parallel worker exited): it computes nothing any more.
+        self.failure: str | None = None
+        # Called (on any thread) with that reason once the engine has died; a server stops.
+        self.on_failure: list[Callable[[str], None]] = []
         # Called on the engine thread after each step with its wall time (seconds) and the
         # outputs it produced (metrics: step time, inter-token latency). Keep them cheap.
         self.step_observers: list[Callable[[float, list[RequestOutput]], None]] = []
@@ -295,11 +300,30 @@ class AsyncEngine:
             self.engine = LLMEngine(config)
             self.info = _info(config, self.engine)
             self._publish_stats()
+            executor_failures = getattr(self.engine.core.executor, "on_failure", None)
+            if executor_failures is not None:  # noticed even while idle, on its monitor thread
+                executor_failures.append(self._die)
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             self._build_error = e
             return
         finally:
             self._built.set()
+        try:
+            self._loop()
+        finally:
+            self.engine.core.shutdown()
+
+    def _die(self, reason: str) -> None:
+        """The executor can compute no more: end every request and the loop; tell the server."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        self._stopping = True
+        self._inbox.put(None)
+        for callback in list(self.on_failure):
+            callback(reason)
+
+    def _loop(self) -> None:
         while True:
             block = not self.engine.has_unfinished()
             if not self._drain_inbox(block):
@@ -310,7 +334,10 @@ class AsyncEngine:
                 self._publish_stats()  # aborts emptied it: nothing runs any more
         for request_id, stream in list(self._streams.items()):
             self.engine.abort(request_id)
-            stream.put(EngineShutdownError("the engine is shutting down"))
+            if self.failure is not None:
+                stream.put(RequestFailedError(f"the engine failed: {self.failure}"))
+            else:
+                stream.put(EngineShutdownError("the engine is shutting down"))
         self._streams.clear()
 
     def _drain_inbox(self, block: bool) -> bool:
@@ -358,6 +385,9 @@ class AsyncEngine:
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except ExecutorFailedError as e:
+            self._die(str(e))
+            return
         except Exception as e:  # noqa: BLE001 - one failed step must not stop the server
             # Failures a request can be blamed for end that request inside step(); one that
             # escapes it cannot be pinned on anybody, so every request ends with a clean error.
@@ -416,8 +446,8 @@ def _info(config: EngineConfig, engine: LLMEngine) -> EngineInfo:
         max_request_tokens=core.max_request_tokens,
         num_kv_blocks=core.num_blocks,
         block_size=config.block_size,
-        vocab_size=core.model.config.vocab_size,
-        hidden_size=core.model.config.hidden_size,
+        vocab_size=core.vocab_size,
+        hidden_size=core.hidden_size,
         speculative=core.proposer is not None,
         tokenizer=engine.tokenizer,
     )

@@ -44,6 +44,8 @@ class BenchConfig:
     batch1_prompt: int = 400
     batch1_output: int = 128
     batch1_repeats: int = 3
+    # > 1: the mixed workload also on this many tensor-parallel ranks, against one rank
+    tensor_parallel_size: int = 1
 
 
 @dataclass(slots=True)
@@ -141,7 +143,8 @@ def make_workload(cfg: BenchConfig, vocab_size: int, n: int | None = None) -> Wo
 # ---- the two sides -------------------------------------------------------------------------
 
 
-def run_engine(llm, workload: Workload) -> SideResult:
+def run_engine(llm, workload: Workload, outputs: list | None = None) -> SideResult:
+    """outputs: filled with each request's token ids (to compare two engines' outputs)."""
     from engine import SamplingParams
 
     params = [
@@ -152,6 +155,8 @@ def run_engine(llm, workload: Workload) -> SideResult:
     wall = time.perf_counter() - start
     tokens = sum(len(r.outputs[0].token_ids) for r in results)
     assert tokens == sum(workload.output_lens), "engine produced a different number of tokens"
+    if outputs is not None:
+        outputs[:] = [r.outputs[0].token_ids for r in results]
     ttfts = [r.metrics.first_token_time - r.metrics.arrival_time for r in results]
     return SideResult(
         "engine", wall, tokens, tokens / wall, {"median_ttft_s": statistics.median(ttfts)}
@@ -232,6 +237,11 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model(cfg.model)
+    if cfg.tensor_parallel_size > 1:  # a split the model's heads do not allow fails first
+        from engine.models.model_config import load_model_config
+        from engine.models.sharding import ShardPlan
+
+        ShardPlan(load_model_config(model_dir), 0, cfg.tensor_parallel_size)
     llm = LLM(
         model=str(model_dir),
         dtype="float32",
@@ -241,7 +251,7 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         max_model_len=_max_model_len(cfg),
         seed=cfg.seed,
     )
-    mcfg = llm.engine.core.model.config
+    mcfg = llm.engine.core.executor.model.config
     hf = None
     if not cfg.skip_hf:
         import transformers
@@ -269,7 +279,8 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     flops = sum(
         workload_flops(mcfg, len(p), o) for p, o in zip(workload.prompts, workload.output_lens)
     )
-    engine_res = run_engine(llm, workload)
+    engine_tokens: list = []
+    engine_res = run_engine(llm, workload, engine_tokens)
     mixed = {
         "engine": asdict(engine_res),
         "workload_gflop": flops / 1e9,
@@ -295,6 +306,10 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         )
         echo(f"  engine / hf = {mixed['speedup']:.2f}x")
     report["mixed"] = mixed
+    if cfg.tensor_parallel_size > 1:
+        report["tensor_parallel"] = _run_tensor_parallel(
+            cfg, model_dir, workload, engine_res, engine_tokens, echo
+        )
 
     if not cfg.skip_batch1:
         report["batch1"] = _run_batch1(llm, hf, mcfg, cfg, machine, echo)
@@ -303,6 +318,55 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
             json.dump(report, f, indent=2)
         echo(f"\nwrote {cfg.json_out}")
     return report
+
+
+def _run_tensor_parallel(
+    cfg: BenchConfig,
+    model_dir,
+    workload: Workload,
+    one_rank: SideResult,
+    one_rank_tokens: list,
+    echo: Callable[[str], None],
+) -> dict:
+    """The same workload on cfg.tensor_parallel_size ranks (worker processes sharing this
+    machine's cores), as a ratio to one rank measured in the same run."""
+    from engine import LLM
+
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=cfg.max_batch,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=_max_model_len(cfg),
+        seed=cfg.seed,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        num_threads=cfg.threads,
+    )
+    try:
+        warm = make_workload(cfg, llm.engine.core.vocab_size, n=2)
+        warm.output_lens = [4, 4]
+        run_engine(llm, warm)
+        tokens: list = []
+        result = run_engine(llm, workload, tokens)
+    finally:
+        llm.shutdown()
+    ratio = result.tokens_per_s / one_rank.tokens_per_s
+    same = sum(a == b for a, b in zip(tokens, one_rank_tokens))
+    echo(
+        f"  engine tp={cfg.tensor_parallel_size}: {result.output_tokens} tokens in "
+        f"{result.wall_s:.1f} s = {result.tokens_per_s:.1f} tok/s; tp={cfg.tensor_parallel_size} "
+        f"/ tp=1 = {ratio:.2f}x; greedy outputs identical for {same} of {len(tokens)} requests "
+        f"(ranks share {torch.get_num_threads()} threads of this CPU: TP here is about "
+        "correctness, not speed)"
+    )
+    return {
+        "size": cfg.tensor_parallel_size,
+        "engine": asdict(result),
+        "ratio_to_one_rank": ratio,
+        "identical_outputs": same,
+        "requests": len(tokens),
+    }
 
 
 def _run_batch1(

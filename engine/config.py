@@ -36,6 +36,10 @@ class EngineConfig:
     # that occurred earlier in the request proposes the tokens that followed it.
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # Tensor parallelism (engine/executor/multiproc.py): the model split over this many ranks,
+    # worker processes started here, or, when the environment names a torchrun-style rendezvous
+    # (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), ranks joined from wherever they run.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.profile_path is not None:
@@ -62,6 +66,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         self._validate_speculative()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

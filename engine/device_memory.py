@@ -16,7 +16,7 @@ import torch
 
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaModel
-from engine.request import Request
+from engine.request import make_request
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -99,15 +99,15 @@ def _profile_forward(
     lengths = _split(max_num_batched_tokens, max_num_seqs, max_model_len - 1)
     blocks = sum(-(-n // block_size) for n in lengths)
     kv = KVCacheManager(blocks, block_size, enable_prefix_caching=False)
-    runner = ModelRunner(model, kv, blocks, block_size)
+    runner = ModelRunner(model, blocks, block_size)
     scheduled = []
     for i, n in enumerate(lengths):
-        request = Request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1), 1, 0.0, i)
+        request = make_request(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1), 1, 0.0, i)
         assert kv.allocate_slots(request, n)
-        scheduled.append(ScheduledRequest(request, n))
+        scheduled.append(ScheduledRequest(request, n, block_ids=kv.block_ids(request.request_id)))
     runner.execute(SchedulerOutput(scheduled))
     cfg = model.config
-    temp = 2 * cfg.num_layers * blocks * block_size * cfg.num_kv_heads * cfg.head_dim
+    temp = 2 * cfg.num_layers * blocks * block_size * model.num_kv_heads * cfg.head_dim
     return temp * model.dtype.itemsize
 
 

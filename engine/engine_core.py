@@ -6,26 +6,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
-from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
-from engine.errors import STRUCTURED_OUTPUT_FAILED, InvalidRequestError
-from engine.kv.kv_cache_manager import KVCacheManager
-from engine.models.loader import load_model, resolve_device, resolve_dtype, resolve_kernels
-from engine.models.model_config import load_model_config
+from engine.errors import STRUCTURED_OUTPUT_FAILED, ExecutorFailedError, InvalidRequestError
+from engine.executor import Executor
 from engine.pooling import PoolingParams, PoolingState
 from engine.profiler import StepProfiler, StepRecord
-from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.request import Request, RequestStatus, make_request
 from engine.sampler import Sampler, SamplingRow, prompt_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.spec.proposer import build_proposer
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from engine.spec.proposer import Proposer
 from engine.spec.rejection_sampler import RejectionSampler
 from engine.spec.stats import SpecDecodeStats
 from engine.structured.bitmask import GrammarMask, fill_grammar_mask
@@ -33,8 +29,6 @@ from engine.structured.grammar import GrammarCompiler, parse_spec
 from engine.structured.matcher import RequestMatcher
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
 @dataclass(slots=True)
@@ -45,96 +39,64 @@ class CoreOutput:
 
 
 class EngineCore:
+    """Steps a scheduler over an executor: admission, one forward per step, sampling, stop
+    checks, retiring finished requests, proposing drafts. Built by engine_builder (the real
+    model) or by capacity.simulate (the performance model on a virtual clock): both run this
+    code."""
+
     def __init__(
         self,
+        scheduler: Scheduler,
+        executor: Executor,
+        sampler: Sampler,
+        proposer: Proposer | None,
+        clock: Callable[[], float] = time.time,
+        *,
         config: EngineConfig,
-        model_dir: Path,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        max_model_len: int,
+        device: torch.device,
+        hidden_size: int | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
+        rejection_sampler: RejectionSampler | None = None,
     ) -> None:
-        """tokenizer: only for structured output (grammars are compiled against it)."""
-        config.validate()
+        """clock: the time requests are stamped with (arrival, first token, finish); a
+        simulation passes its virtual clock. sampler / rejection_sampler: draw tokens from the
+        executor's logits (a simulation's decide them without). device: where the logits live
+        (seeded generators are made there). hidden_size: the width pooling requests get (None:
+        no pooling)."""
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        model_config = load_model_config(model_dir)
-        self.max_model_len = _resolve_max_model_len(config, model_config)
-        self.kernels = resolve_kernels(config.attention_backend, self.device)
-        self.model = load_model(
-            model_dir, self.dtype, self.device, self.max_model_len, self.kernels
-        )
-        self.memory_profile: MemoryProfile | None = None  # set when sized by profiling (GPU)
-        self.num_blocks = self._num_kv_blocks()
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
-            self.kv,
-        )
-        self.runner = ModelRunner(self.model, self.kv, self.num_blocks, config.block_size)
-        if self.device.type == "cuda" and self.kernels == "triton" and not config.enforce_eager:
-            self.runner.capture_cuda_graphs(self.max_model_len, config.max_num_seqs)
-        self.sampler = Sampler()
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.executor = executor
+        self.sampler = sampler
+        self.proposer = proposer
+        self.clock = clock
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.num_blocks = executor.num_blocks
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(model_config.eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.grammars = (
-            GrammarCompiler(tokenizer, model_config.vocab_size, self.eos_token_ids)
+            GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
             if tokenizer is not None
             else None
         )
         self.requests: dict[str, Request] = {}
-        self.proposer = build_proposer(config, self)
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = rejection_sampler or RejectionSampler()
         self.spec_stats = SpecDecodeStats()
-        self._rng = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._rng = torch.Generator(device=device).manual_seed(config.seed)
         self._arrivals = itertools.count()
         self._steps = itertools.count()
         self.profiler = StepProfiler(config.profile_path) if config.profile_path else None
         self._last_step_end: float | None = None  # perf_counter at the end of a step that left
         # work behind; the next step's gap_s is measured from it
-        logger.info(
-            "engine: %s on %s/%s (%s kernels), %d KV blocks x %d tokens, max_model_len %d",
-            model_dir,
-            self.device,
-            self.dtype,
-            self.kernels,
-            self.num_blocks,
-            config.block_size,
-            self.max_model_len,
-        )
 
-    def _num_kv_blocks(self) -> int:
-        cfg, mc = self.config, self.model.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        # A draft model keeps K/V for the same blocks: a block costs both models' bytes.
-        per_token = mc.kv_bytes_per_token + _draft_kv_bytes_per_token(cfg)
-        bytes_per_block = cfg.block_size * per_token * self.dtype.itemsize
-        budget = cfg.kv_cache_memory
-        if budget is None and self.device.type == "cuda":
-            profile = profile_gpu_memory(
-                self.model,
-                self.device,
-                cfg.gpu_memory_utilization,
-                cfg.max_num_batched_tokens,
-                cfg.max_num_seqs,
-                self.max_model_len,
-                cfg.block_size,
-            )
-            self.memory_profile = profile
-            blocks = profile.kv_budget // bytes_per_block
-            check_fits(blocks, cfg.block_size, self.max_model_len)
-            return int(blocks)
-        if budget is None:
-            wanted = cfg.max_num_seqs * self.max_model_len // cfg.block_size * bytes_per_block
-            budget = min(_DEFAULT_CPU_KV_BYTES, wanted)
-        blocks = budget // bytes_per_block
-        if blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory of {budget} bytes holds no KV block "
-                f"({bytes_per_block} bytes each)"
-            )
-        return int(blocks)
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     @property
     def max_request_tokens(self) -> int:
@@ -152,36 +114,48 @@ class EngineCore:
     ) -> Request:
         """pooling: an embedding request (params must have max_tokens=0): its prompt's final
         hidden states pooled, in the finished request's pooling.embedding."""
+        request = self.make_request(
+            request_id, prompt_token_ids, params, arrival_time, priority, pooling
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        pooling: PoolingParams | None = None,
+    ) -> Request:
+        """A checked Request, not yet added (engine.request.make_request builds it)."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         max_tokens = self._check_prompt(prompt_token_ids, params)
         if pooling is not None:
             self._check_pooling(pooling, params)
         matcher = self._matcher(params)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            max_tokens=max_tokens,
-            arrival_time=time.time() if arrival_time is None else arrival_time,
-            arrival_seq=next(self._arrivals),
+        return make_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            max_tokens,
+            self.clock() if arrival_time is None else arrival_time,
+            next(self._arrivals),
             priority=priority,
             eos_token_ids=self.eos_token_ids,
-            min_tokens_stop_ids=frozenset(params.stop_token_ids)
-            | (frozenset() if params.ignore_eos else self.eos_token_ids),
             generator=self._generator(params),
             matcher=matcher,
             pooling=None if pooling is None else PoolingState(pooling, len(prompt_token_ids)),
         )
-        self.requests[request_id] = request
-        self.scheduler.add_request(request)
-        return request
 
     def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt is empty: at least one token is required", "prompt")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(
@@ -219,7 +193,9 @@ class EngineCore:
             raise InvalidRequestError(
                 "a pooling request computes its prompt only: it needs max_tokens=0", "max_tokens"
             )
-        width = self.model.config.hidden_size
+        width = self.hidden_size
+        if width is None:
+            raise InvalidRequestError("this engine computes no hidden states to pool")
         if pooling.dimensions is not None and pooling.dimensions > width:
             raise InvalidRequestError(
                 f"dimensions must be at most the model's hidden size {width}, "
@@ -260,8 +236,20 @@ class EngineCore:
             self.proposer.forget(request_id)
         if stop_reason is not None:
             request.stop_reason = stop_reason
-        request.finish_time = time.time()
+        request.finish_time = self.clock()
         return request
+
+    def stop_string(self, request: Request, stop: str, num_output_tokens: int) -> None:
+        """The detokenizer found stop string `stop` ending at output token num_output_tokens:
+        the request keeps those tokens and ends as "stop", whether it is still running or this
+        step finished it already (several tokens can arrive in one step)."""
+        del request.output_token_ids[num_output_tokens:]
+        del request.output_logprobs[num_output_tokens:]
+        if request.request_id in self.requests:
+            self.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+            return
+        request.stop_reason = stop
+        request.status = RequestStatus.FINISHED_STOPPED
 
     @torch.inference_mode()
     def step(self) -> list[CoreOutput]:
@@ -272,12 +260,14 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        now = time.time()
+        now = self.clock()
         for s in sched.scheduled:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched)
+            result = self.executor.execute(sched)
+        except ExecutorFailedError:
+            raise  # nothing can compute any more: the caller must stop
         except Exception as e:  # noqa: BLE001 - isolated below, the engine goes on
             # One forward computes the whole batch, so no request can be blamed alone: every
             # request in it fails; the others (waiting, or not scheduled) go on.
@@ -395,10 +385,9 @@ class EngineCore:
                 params=r.params,
                 generator=None if probe else r.generator,
                 prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids + s.spec_token_ids[:j]
-                if j
-                else r.output_token_ids,
+                output_token_ids=r.output_token_ids,
                 stop_token_ids=r.min_tokens_stop_ids,
+                draft_token_ids=s.spec_token_ids[:j],
             )
             for s, r in zip(items, requests)
             for j in range(s.num_sample_rows)
@@ -434,7 +423,7 @@ class EngineCore:
         if request.params.logprobs is not None:
             request.output_logprobs += entries
         if request.first_token_time is None:
-            request.first_token_time = time.time()
+            request.first_token_time = self.clock()
         if request.matcher is not None:
             self._accept(request, tokens[0])  # constrained requests never speculate
 
@@ -500,7 +489,7 @@ class EngineCore:
         finished: list[Request],
     ) -> list[CoreOutput]:
         done = {r.request_id for r in finished}
-        now = time.time()
+        now = self.clock()
         outputs = []
         for s in items:
             request = s.request
@@ -526,7 +515,7 @@ class EngineCore:
         self.profiler.record(
             StepRecord(
                 step=next(self._steps),
-                time=time.time(),
+                time=self.clock(),
                 wall_s=wall,
                 batch_size=len(sched.scheduled),
                 num_batched_tokens=sched.num_batched_tokens,
@@ -560,25 +549,3 @@ def _row_index(items: list[ScheduledRequest], picked: list[int], device) -> torc
     offsets = _row_offsets(items)
     rows = [r for i in picked for r in range(offsets[i], offsets[i + 1])]
     return torch.tensor(rows, dtype=torch.long, device=device)
-
-
-def _draft_kv_bytes_per_token(config: EngineConfig) -> int:
-    if config.speculative != "draft":
-        return 0
-    from engine.model_fetch import resolve_model
-
-    return load_model_config(resolve_model(config.draft_model)).kv_bytes_per_token
-
-
-def _resolve_max_model_len(config: EngineConfig, model_config) -> int:
-    limit = model_config.max_position_embeddings
-    # Without sliding-window attention, full attention equals it only up to the window.
-    if model_config.sliding_window:
-        limit = min(limit, model_config.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's limit of {limit} tokens"
-        )
-    return config.max_model_len

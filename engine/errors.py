@@ -40,3 +40,8 @@ STRUCTURED_OUTPUT_FAILED = "structured output failed"
 class StructuredOutputFailedError(RequestFailedError):
     """The request's structured-output constraint broke while it generated (llguidance hit a
     limit on a pathological schema or regex): the caller's constraint, not an engine fault."""
+
+
+class ExecutorFailedError(RuntimeError):
+    """The executor cannot compute any more (a tensor-parallel worker died): the engine is dead,
+    and a server must stop rather than hang."""

@@ -22,10 +22,16 @@ class LLM:
         (dtype, device, block_size, num_kv_blocks, kv_cache_memory, gpu_memory_utilization,
         max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, seed,
         profile_path, num_threads, attention_backend, enforce_eager, speculative,
-        num_speculative_tokens, draft_model, prompt_lookup_min, prompt_lookup_max)."""
+        num_speculative_tokens, draft_model, prompt_lookup_min, prompt_lookup_max,
+        tensor_parallel_size)."""
         config = EngineConfig(model=str(model), **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (tensor-parallel worker processes); idempotent. The
+        workers also end with this process."""
+        self.engine.core.shutdown()
 
     def spec_decode_stats(self) -> dict:
         """Speculative decoding so far: drafts, proposed and accepted tokens, acceptance rate,

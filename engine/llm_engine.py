@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.engine_core import EngineCore
+from engine.engine_builder import build_engine_core
 from engine.errors import InvalidRequestError
 from engine.model_fetch import resolve_model
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -52,7 +52,7 @@ class LLMEngine:
         model_dir = resolve_model(config.model)
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
-        self.core = EngineCore(config, model_dir, self.tokenizer)
+        self.core = build_engine_core(config, model_dir, self.tokenizer)
         self._groups: dict[str, _Group] = {}
         self._sample_to_group: dict[str, str] = {}
 
@@ -175,13 +175,8 @@ class LLMEngine:
             if stop is not None:
                 # Several tokens can arrive in one step (speculative decoding): those after the
                 # one that completed the stop string are not part of the output.
-                _truncate(request, sample.detokenizer.num_tokens)
-            if stop is not None and not finished:
-                self.core.finish(request.request_id, RequestStatus.FINISHED_STOPPED, stop)
+                self.core.stop_string(request, stop, sample.detokenizer.num_tokens)
                 finished = True
-            elif stop is not None:
-                request.stop_reason = stop
-                request.status = RequestStatus.FINISHED_STOPPED
         if finished:
             sample.finish_reason = request.status.value
         if sample.detokenizer is not None:
@@ -255,8 +250,3 @@ def _ended_by_stop_token(request: Request) -> bool:
     if isinstance(request.stop_reason, int) and request.stop_reason == last:
         return True
     return not request.params.ignore_eos and last in request.eos_token_ids
-
-
-def _truncate(request: Request, num_tokens: int) -> None:
-    del request.output_token_ids[num_tokens:]
-    del request.output_logprobs[num_tokens:]

@@ -104,3 +104,37 @@ class Request:
     @property
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_seq)
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    max_tokens: int,
+    arrival_time: float,
+    arrival_seq: int,
+    *,
+    priority: int = 0,
+    eos_token_ids: frozenset[int] = frozenset(),
+    generator: torch.Generator | None = None,
+    matcher: RequestMatcher | None = None,
+    pooling: PoolingState | None = None,
+) -> Request:
+    """The one constructor of a Request: EngineCore (for the engine and the capacity
+    simulation, after checking the request) and the memory profiler's dummy batch use it, so
+    every request's derived fields are made the same way."""
+    stop_ids = frozenset(params.stop_token_ids)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        params=params,
+        max_tokens=max_tokens,
+        arrival_time=arrival_time,
+        arrival_seq=arrival_seq,
+        priority=priority,
+        eos_token_ids=eos_token_ids,
+        min_tokens_stop_ids=stop_ids | (frozenset() if params.ignore_eos else eos_token_ids),
+        generator=generator,
+        matcher=matcher,
+        pooling=pooling,
+    )

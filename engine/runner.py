@@ -9,13 +9,13 @@ token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.kv.kv_cache_manager import KVCacheManager
 from engine.models.llama import LlamaModel
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -46,12 +46,32 @@ class RunnerOutput:
     pooled_hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class StepInput:
+    """One forward as every tensor-parallel rank runs it: the flattened batch, and the rows of
+    its hidden states that go through the LM head (sampling rows first, then prompt-logprob
+    rows). Plain tensors and lists: it is what rank 0 broadcasts to the other ranks."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: list[int]
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCacheManager, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        broadcast: Callable[[StepInput], None] | None = None,
+    ):
+        """broadcast: hands each step's input to the other tensor-parallel ranks before this
+        rank runs it (they run the same forward: its collectives need every rank)."""
         self.model = model
-        self.kv = kv
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
+        self.broadcast = broadcast
         self.graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs (GPU only)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -67,7 +87,6 @@ class ModelRunner:
         input_ids, positions, meta = prepare_batch(
             [self._chunk(s) for s in items], self.block_size, self.model.device
         )
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, meta)
         sample_rows = [
             row
             for i, s in enumerate(items)
@@ -75,17 +94,36 @@ class ModelRunner:
                 meta.query_start_loc[i + 1] - s.num_sample_rows, meta.query_start_loc[i + 1]
             )
         ]
-        if sample_rows:
-            logits = self.model.compute_logits(hidden[sample_rows])
-        else:  # only prefill-only requests, or unfinished prompts: nothing samples
-            logits = torch.empty((0, self.model.config.vocab_size), device=hidden.device)
+        prompt_rows = self._prompt_rows(items, meta)
+        step = StepInput(
+            input_ids,
+            positions,
+            meta,
+            sample_rows + [r for _, _, rows in prompt_rows for r in rows],
+        )
+        if self.broadcast is not None:
+            self.broadcast(step)
+        hidden, logits = self.run(step)
+        prompt_logits, offset = {}, len(sample_rows)
+        for request_id, first, rows in prompt_rows:
+            prompt_logits[request_id] = (first, logits[offset : offset + len(rows)])
+            offset += len(rows)
         return RunnerOutput(
             sampled=[s for s in items if s.samples],
-            logits=logits,
-            prompt_logits=self._prompt_logits(items, hidden, meta),
+            logits=logits[: len(sample_rows)],
+            prompt_logits=prompt_logits,
             num_context_tokens=sum(meta.seq_lens_list),
             pooled_hidden=self._pooled_hidden(items, hidden, meta),
         )
+
+    def run(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward and the LM head over step.logit_rows: (hidden states, logits float32)."""
+        hidden = self.model.forward(step.input_ids, step.positions, self.kv_caches, step.meta)
+        if step.logit_rows:
+            logits = self.model.compute_logits(hidden[step.logit_rows])
+        else:  # only prefill-only requests, or unfinished prompts: nothing samples
+            logits = torch.empty((0, self.model.config.vocab_size), device=hidden.device)
+        return hidden, logits
 
     def _graph_step(self, items: list[ScheduledRequest]) -> bool:
         """A decode-only step that a captured CUDA graph can run."""
@@ -102,7 +140,7 @@ class ModelRunner:
         for s in items:
             req = s.request
             position = req.num_computed_tokens
-            table = self.kv.block_ids(req.request_id)
+            table = s.block_ids
             token_ids.append(req.token_slice(position, position + 1)[0])
             positions.append(position)
             slots.append(table[position // bs] * bs + position % bs)
@@ -128,16 +166,14 @@ class ModelRunner:
         req = s.request
         start = req.num_computed_tokens
         known_end = start + s.num_tokens - len(s.spec_token_ids)
-        return BatchChunk(
-            start,
-            req.token_slice(start, known_end) + s.spec_token_ids,
-            self.kv.block_ids(req.request_id),
-        )
+        return BatchChunk(start, req.token_slice(start, known_end) + s.spec_token_ids, s.block_ids)
 
-    def _prompt_logits(
-        self, items: list[ScheduledRequest], hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> dict[str, tuple[int, torch.Tensor]]:
-        out: dict[str, tuple[int, torch.Tensor]] = {}
+    def _prompt_rows(
+        self, items: list[ScheduledRequest], meta: AttentionMetadata
+    ) -> list[tuple[str, int, list[int]]]:
+        """(request id, first position, its rows) for chunks of requests asking for prompt
+        logprobs."""
+        out = []
         for i, s in enumerate(items):
             req = s.request
             if req.params.prompt_logprobs is None:
@@ -148,7 +184,7 @@ class ModelRunner:
             if n < 0 or (n == 0 and first > 0):
                 continue  # past the prompt; a 1-token prompt still gets its [None] entry
             start = meta.query_start_loc[i]
-            out[req.request_id] = (first, self.model.compute_logits(hidden[start : start + n]))
+            out.append((req.request_id, first, list(range(start, start + n))))
         return out
 
     def _pooled_hidden(
@@ -173,14 +209,14 @@ def allocate_kv_caches(
     model: LlamaModel, num_blocks: int, block_size: int
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The model's K and V pool per layer: [num_blocks, block_size, Hkv, D] each, zeroed."""
-    cfg = model.config
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    # This rank's KV heads: all of them, or its share under tensor parallelism.
+    shape = (num_blocks, block_size, model.num_kv_heads, model.config.head_dim)
     return [
         (
             torch.zeros(shape, dtype=model.dtype, device=model.device),
             torch.zeros(shape, dtype=model.dtype, device=model.device),
         )
-        for _ in range(cfg.num_layers)
+        for _ in range(model.config.num_layers)
     ]
 
 

@@ -41,6 +41,19 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated before this step
     stop_token_ids: frozenset[int] | set[int]  # eos + stop ids, masked while output < min_tokens
+    # A verification row sees the drafts before it as generated too. Kept apart, not appended:
+    # copying a long output for every row of every step costs more than the step's sampling.
+    draft_token_ids: Sequence[int] = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + len(self.draft_token_ids)
+
+    def generated(self) -> list[int]:
+        """Every token generated before this row's: outputs, then the drafts it sees."""
+        if not self.draft_token_ids:
+            return self.output_token_ids
+        return self.output_token_ids + list(self.draft_token_ids)
 
 
 @dataclass(slots=True)
@@ -134,7 +147,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     items = [
         (i, row.stop_token_ids)
         for i, row in enumerate(rows)
-        if row.stop_token_ids and len(row.output_token_ids) < row.params.min_tokens
+        if row.stop_token_ids and row.num_output_tokens < row.params.min_tokens
     ]
     if items:
         row_idx, tok_idx = _token_pairs(items, logits)
@@ -161,7 +174,7 @@ def _apply_repetition_penalty(logits: torch.Tensor, rows: Sequence[SamplingRow])
     if not picked:
         return
     items = [(i, rows[i].prompt_token_ids) for i in picked]
-    items += [(i, rows[i].output_token_ids) for i in picked]
+    items += [(i, rows[i].generated()) for i in picked]
     row_idx, tok_idx = _token_pairs(items, logits)
     penalty = _per_row(rows, picked, lambda p: p.repetition_penalty, 1.0, logits.device)[row_idx]
     seen = logits[row_idx, tok_idx]
@@ -174,12 +187,12 @@ def _apply_frequency_presence(logits: torch.Tensor, rows: Sequence[SamplingRow])
     picked = [
         i
         for i, row in enumerate(rows)
-        if row.output_token_ids
+        if row.num_output_tokens
         and (row.params.frequency_penalty != 0.0 or row.params.presence_penalty != 0.0)
     ]
     if not picked:
         return
-    row_idx, tok_idx = _token_pairs([(i, rows[i].output_token_ids) for i in picked], logits)
+    row_idx, tok_idx = _token_pairs([(i, rows[i].generated()) for i in picked], logits)
     vocab = logits.shape[1]
     keys, counts = torch.unique(row_idx * vocab + tok_idx, return_counts=True)
     row_idx, tok_idx = keys // vocab, keys % vocab

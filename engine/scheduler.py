@@ -28,6 +28,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # Slots allocated past a scheduled chunk for a draft model to write its guesses' K/V after
+    # this step (vLLM's num_lookahead_tokens); 0 without a draft model.
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -37,21 +40,25 @@ class ScheduledRequest:
     # Proposed tokens verified this step: the last num_tokens positions are the request's last
     # token followed by these (num_tokens = 1 + len(spec_token_ids) when there are any).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The request's block table as scheduled: the executor reads blocks from here, never from
+    # the KV manager, so a SchedulerOutput is all it needs.
+    block_ids: list[int] = field(default_factory=list)
+    # Whether this chunk reaches the end of the request's tokens, so it yields a new token (a
+    # prefill-only request never does: it ends there). Fixed when scheduled: update() moves the
+    # request's counts on afterwards.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        end = self.request.num_computed_tokens + self.num_tokens
+        self.samples = end == self.request.num_tokens + len(self.spec_token_ids) and (
+            not self.request.prefill_only
+        )
 
     def attention_pairs(self, computed_before: int) -> int:
         """Query-key pairs this chunk's causal attention computes: n new tokens after
         `computed_before` cached ones attend n * computed_before + n (n + 1) / 2 keys."""
         n = self.num_tokens
         return n * computed_before + n * (n + 1) // 2
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the request's tokens, so it yields a new token
-        (a prefill-only request never does: it ends there)."""
-        end = self.request.num_computed_tokens + self.num_tokens
-        return end == self.request.num_tokens + len(self.spec_token_ids) and (
-            not self.request.prefill_only
-        )
 
     @property
     def num_sample_rows(self) -> int:
@@ -105,7 +112,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens + len(spec), budget)
             # Drafts past the budget are dropped (a request whose prompt is unfinished has none).
             spec = spec[: max(0, num_new - 1)]
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_slots(request, num_new, num_lookahead=self._lookahead):
                 victim = max(self.running, key=lambda r: r.sort_key)
                 if self.running.index(victim) < i:
                     i -= 1  # an already scheduled one: the list shifts under us
@@ -114,7 +121,7 @@ class Scheduler:
                     break
             else:
                 request.spec_token_ids = []
-                out.scheduled.append(ScheduledRequest(request, num_new, spec))
+                out.scheduled.append(self._scheduled(request, num_new, spec))
                 budget -= num_new
                 i += 1
         return budget
@@ -141,7 +148,7 @@ class Scheduler:
             request = self.waiting[0]
             computed, num_cached = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request, num_new, computed):
+            if not self.kv.allocate_slots(request, num_new, computed, self._lookahead):
                 break  # FCFS: the head waits for memory; nobody overtakes it
             self.kv.record_prefix_query(request.num_tokens, num_cached)
             self.waiting.pop(0)
@@ -150,8 +157,15 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+
+    @property
+    def _lookahead(self) -> int:
+        return self.config.num_lookahead_tokens
+
+    def _scheduled(self, request: Request, num_new: int, spec: list[int] | None = None):
+        return ScheduledRequest(request, num_new, spec or [], self.kv.block_ids(request.request_id))
 
     def update(
         self,
@@ -199,7 +213,8 @@ class Scheduler:
         held nothing else go back to the pool. None of them is in the prefix cache: blocks are
         registered only up to the request's known tokens, which drafts are not."""
         request.num_computed_tokens -= num_rejected
-        self.kv.trim(request, request.num_computed_tokens)
+        # A draft model writes its next guesses' K/V into the lookahead slots: keep those.
+        self.kv.trim(request, request.num_computed_tokens + self._lookahead)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from nightshift.capacity_commands import capacity_app
-from nightshift.cli_errors import user_errors
+from nightshift.cli_errors import fail, user_errors
 from nightshift.digest_commands import db_app, digest_app
 from nightshift.router_commands import router_command, serve_data_parallel_from_cli
 from nightshift.workload_commands import workload_app
@@ -193,6 +193,17 @@ def serve(
     ] = None,
     prompt_lookup_min: Annotated[int, typer.Option(help="ngram: shortest suffix matched.")] = 2,
     prompt_lookup_max: Annotated[int, typer.Option(help="ngram: longest suffix matched.")] = 4,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel-size",
+            "-tp",
+            help="Split the model over this many ranks (worker processes here, or the ranks of "
+            "a torchrun-style env:// rendezvous: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; "
+            "rank 0 serves, the others compute).",
+            min=1,
+        ),
+    ] = 1,
     data_parallel_size: Annotated[
         int,
         typer.Option(
@@ -207,6 +218,7 @@ def serve(
     from engine.server.auth import resolve_api_key
     from engine.server.cors import CorsConfig
     from engine.server.limits import RequestLimits
+    from engine.server.serve import EngineDiedError
     from engine.server.serve import serve as run_server
 
     limits = RequestLimits(
@@ -234,6 +246,7 @@ def serve(
             draft_model=draft_model,
             prompt_lookup_min=prompt_lookup_min,
             prompt_lookup_max=prompt_lookup_max,
+            tensor_parallel_size=tensor_parallel_size,
         )
         key = resolve_api_key(api_key, api_key_file)
         if data_parallel_size > 1:  # N engines and the router (engine/router/data_parallel.py)
@@ -247,26 +260,29 @@ def serve(
                 grace_period,
                 device,
             )
-        run_server(
-            config,
-            host,
-            port,
-            served_model_name,
-            key,
-            max_waiting_requests,
-            grace_period,
-            limits,
-            allow_unauthenticated,
-            cors=CorsConfig(
-                allowed_origins=allowed_origins or ["*"],
-                allowed_methods=allowed_methods or ["*"],
-                allowed_headers=allowed_headers or ["*"],
-                allow_credentials=allow_credentials,
-            ),
-            tool_call_parser=tool_call_parser,
-            pooling_type=pooling_type,
-            trust_request_chat_template=trust_request_chat_template,
-        )
+        try:
+            run_server(
+                config,
+                host,
+                port,
+                served_model_name,
+                key,
+                max_waiting_requests,
+                grace_period,
+                limits,
+                allow_unauthenticated,
+                cors=CorsConfig(
+                    allowed_origins=allowed_origins or ["*"],
+                    allowed_methods=allowed_methods or ["*"],
+                    allowed_headers=allowed_headers or ["*"],
+                    allow_credentials=allow_credentials,
+                ),
+                tool_call_parser=tool_call_parser,
+                pooling_type=pooling_type,
+                trust_request_chat_template=trust_request_chat_template,
+            )
+        except EngineDiedError as e:  # a supervisor restarts it: exit 1, one line
+            raise fail(str(e), code=1) from None
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")
@@ -292,6 +308,15 @@ def bench_engine(
     skip_hf: Annotated[bool, typer.Option("--skip-hf", help="Engine only.")] = False,
     skip_batch1: Annotated[bool, typer.Option("--skip-batch1", help="No batch-1 case.")] = False,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+    tensor_parallel_size: Annotated[
+        int,
+        typer.Option(
+            "--tensor-parallel-size",
+            "-tp",
+            help="Also run the mixed workload on this many ranks, as a ratio to one.",
+            min=1,
+        ),
+    ] = 1,
 ) -> None:
     """Engine vs HF transformers generate on a mixed workload and at batch 1, one run."""
     from engine.bench import BenchConfig, run_bench
@@ -304,6 +329,7 @@ def bench_engine(
         input_range=(input_min, input_max),
         output_range=(output_min, output_max),
         threads=threads,
+        tensor_parallel_size=tensor_parallel_size,
         seed=seed,
         skip_hf=skip_hf,
         skip_batch1=skip_batch1,

@@ -36,10 +36,14 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self.prefix_stats = PrefixCacheStats()
         self._blocks: dict[str, list[KVBlock]] = {}
+        # The same tables as block ids, kept as they change: the scheduler hands one to the
+        # executor for every request of every step.
+        self._ids: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table (the live list: read it, do not keep it past the step)."""
+        return self._ids.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -66,22 +70,32 @@ class KVCacheManager:
             self.prefix_stats.hit_tokens += num_hit
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed: list[KVBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: list[KVBlock] | None = None,
+        num_lookahead: int = 0,
     ) -> bool:
         """Give the request room for num_new_tokens more tokens (after its computed ones and the
-        cache hits in `computed`). Returns False, changing nothing, when the pool is short."""
+        cache hits in `computed`), and num_lookahead slots past them (a draft model's guesses).
+        Returns False, changing nothing, when the pool is short."""
         computed = computed or []
         blocks = self._blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total = num_computed + num_new_tokens
-        num_new_blocks = max(0, self.blocks_needed(total) - len(blocks) - len(computed))
+        wanted = self.blocks_needed(total + num_lookahead)
+        num_new_blocks = max(0, wanted - len(blocks) - len(computed))
         # Hits that sit in the free queue stop being free once touched.
         reviving = sum(1 for b in computed if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free - reviving:
             return False
         self.pool.touch(computed)
+        fresh = self.pool.allocate(num_new_blocks)
         blocks.extend(computed)
-        blocks.extend(self.pool.allocate(num_new_blocks))
+        blocks.extend(fresh)
+        ids = self._ids.setdefault(request.request_id, [])
+        ids.extend([b.block_id for b in computed])
+        ids.extend([b.block_id for b in fresh])
         if self.enable_prefix_caching:
             self._register_full_blocks(request, blocks, total)
         return True
@@ -98,11 +112,13 @@ class KVCacheManager:
             return
         dropped = blocks[keep:]
         del blocks[keep:]
+        del self._ids[request.request_id][keep:]
         assert keep >= self._num_registered.get(request.request_id, 0), "trimming a cached block"
         self.pool.free(reversed(dropped))
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._ids.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         # Blocks registered for a chunk that was never computed (a request preempted after being
         # scheduled in the same step) must not stay findable: their K/V was never written.
@@ -153,7 +169,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         self.pool.check_integrity()
         owners: dict[int, int] = {}
-        for blocks in self._blocks.values():
+        for request_id, blocks in self._blocks.items():
+            assert self._ids.get(request_id, []) == [b.block_id for b in blocks], request_id
             for b in blocks:
                 owners[b.block_id] = owners.get(b.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.distributed.group import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
 from engine.models.ops import make_ops
 from engine.models.rotary import cos_sin_cache
+from engine.models.sharding import ShardPlan
 
 
 @dataclass(slots=True)
@@ -52,8 +54,17 @@ class LlamaModel:
         max_positions: int,
         backend: AttentionBackend | None = None,
         ops: str = "torch",
+        tp: TensorParallel = SINGLE,
+        plan: ShardPlan | None = None,
     ) -> None:
+        """weights: the checkpoint's tensors, or with tensor parallelism this rank's slices of
+        them (plan says which)."""
         self.config = config
+        self.tp = tp
+        plan = plan or ShardPlan(config, tp.rank, tp.size)
+        # This rank's heads; the whole model's with one rank.
+        self.num_heads, self.num_kv_heads = plan.num_heads, plan.num_kv_heads
+        self.vocab_start, self.vocab_per_rank = plan.vocab_start, plan.vocab_per_rank
         self.backend = backend or TorchAttentionBackend()
         self.ops = make_ops(ops)
         self.scale = config.head_dim**-0.5
@@ -66,8 +77,8 @@ class LlamaModel:
             self.lm_head = _take(weights, "lm_head.weight")
         device = self.embed.device
         self.cos_sin = cos_sin_cache(config.rope, config.head_dim, max_positions).to(device)
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -108,7 +119,7 @@ class LlamaModel:
         """Hidden states [T, hidden] after the final norm."""
         cfg, ops = self.config, self.ops
         rotary = ops.rotary_inputs(positions, self.cos_sin, self.dtype)
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self._embed(input_ids)
         residual = hidden
         for i, layer in enumerate(self.layers):
             if i == 0:
@@ -120,8 +131,19 @@ class LlamaModel:
             hidden = self._attention(hidden, layer, rotary, kv_caches[i], meta)
             hidden, residual = ops.add_rms_norm(hidden, residual, layer.post_norm, cfg.rms_norm_eps)
             hidden = linear(ops.silu_and_mul(linear(hidden, layer.gate_up)), layer.down)
+            hidden = self.tp.all_reduce(hidden)  # down is row-parallel: partial sums
         hidden, _ = ops.add_rms_norm(hidden, residual, self.norm, cfg.rms_norm_eps)
         return hidden
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        # Vocab-parallel: rows of tokens another rank owns are zero here; the sum fills them.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(hidden)
 
     def _attention(
         self,
@@ -137,29 +159,35 @@ class LlamaModel:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if layer.q_norm is not None:
             q = self.ops.rms_norm(
-                q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps
+                q.reshape(num_tokens, self.num_heads, cfg.head_dim), layer.q_norm, cfg.rms_norm_eps
             )
             k = self.ops.rms_norm(
-                k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                k.reshape(num_tokens, self.num_kv_heads, cfg.head_dim),
                 layer.k_norm,
                 cfg.rms_norm_eps,
             )
             qk = torch.cat([q, k], dim=1)
         else:
             qk = qkv[:, : self.q_size + self.kv_size].view(
-                num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
+                num_tokens, self.num_heads + self.num_kv_heads, cfg.head_dim
             )
         # q and k heads rotate together: one rotary pass over [T, Hq + Hkv, D].
         qk = self.ops.rotary(qk, rotary)
-        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
         out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
-        return linear(out.view(num_tokens, self.q_size), layer.o_proj)
+        # o is row-parallel: each rank's heads give a partial sum.
+        return self.tp.all_reduce(linear(out.view(num_tokens, self.q_size), layer.o_proj))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        """[rows, vocab] float32; under tensor parallelism every rank must call it with the
+        same rows (the vocabulary shards are gathered)."""
+        logits = linear(hidden, self.lm_head).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
 
 
 def _add_norm(

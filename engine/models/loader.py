@@ -8,9 +8,11 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+from engine.distributed.group import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.models.llama import LlamaModel
 from engine.models.model_config import ModelConfig, load_model_config
+from engine.models.sharding import ShardPlan
 from engine.models.weights import load_weights
 
 _DTYPES = {
@@ -64,14 +66,19 @@ def load_model(
     device: torch.device,
     max_positions: int,
     kernels: str = "torch",
+    tp: TensorParallel = SINGLE,
 ) -> LlamaModel:
+    """The model, or with tensor parallelism this rank's shard of it (tp.rank of tp.size)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model path {model_dir} is not a directory")
     config = load_model_config(model_dir)
-    weights = load_weights(model_dir, dtype)
-    _check_shapes(config, weights)
+    plan = ShardPlan(config, tp.rank, tp.size)
+    weights, shapes = load_weights(model_dir, dtype, plan)
+    _check_shapes(config, shapes)
     weights = {name: t.to(device) for name, t in weights.items()}
-    return LlamaModel(config, weights, max_positions, attention_backend(kernels), ops=kernels)
+    return LlamaModel(
+        config, weights, max_positions, attention_backend(kernels), ops=kernels, tp=tp, plan=plan
+    )
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -104,14 +111,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_shapes(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_shapes(config: ModelConfig, weights: dict[str, tuple[int, ...]]) -> None:
     expected = expected_shapes(config)
     if "lm_head.weight" in weights and not config.tie_word_embeddings:
         expected["lm_head.weight"] = (config.vocab_size, config.hidden_size)
     for name, shape in expected.items():
         if name not in weights:
             raise ModelLoadError(f"checkpoint is missing tensor {name!r}")
-        if tuple(weights[name].shape) != shape:
+        if tuple(weights[name]) != shape:
             raise ModelLoadError(
-                f"tensor {name!r} has shape {tuple(weights[name].shape)}, config implies {shape}"
+                f"tensor {name!r} has shape {tuple(weights[name])}, config implies {shape}"
             )

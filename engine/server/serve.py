@@ -16,6 +16,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.distributed.rendezvous import Rendezvous
+from engine.engine_builder import run_tensor_parallel_worker
 from engine.server.app import create_app
 from engine.server.auth import API_KEY_ENV, is_loopback
 from engine.server.cors import CorsConfig
@@ -50,6 +52,10 @@ class JsonErrorsH11Protocol(H11Protocol):
         ):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+
+class EngineDiedError(RuntimeError):
+    """The engine stopped computing while serving (a tensor-parallel worker died)."""
 
 
 class UnsafeBindError(ValueError):
@@ -126,6 +132,12 @@ def serve(
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
     if not (math.isfinite(grace_period) and grace_period >= 0):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got {grace_period}")
+    rank = Rendezvous.from_env() if config.tensor_parallel_size > 1 else None
+    if rank is not None and rank.rank > 0:
+        # The same command on every rank of a torchrun-style launch: rank 0 serves, the
+        # others hold their shards and compute its steps until it stops.
+        run_tensor_parallel_worker(config, rank)
+        return
     check_bind(host, api_key, allow_unauthenticated)
     # A prompt longer than the model's context is refused by us with its lengths; transformers'
     # own warning about it would only add a line per hostile request to the log.
@@ -167,7 +179,12 @@ def serve(
             http=JsonErrorsH11Protocol,
         )
         server = _Server(server_config, engine, grace_period)
+        # A dead engine (a tensor-parallel worker exited) stops the server: a supervisor
+        # restarts it, rather than a server answering 503 forever.
+        engine.on_failure.append(lambda reason: setattr(server, "should_exit", True))
         server.run(sockets=[sock])
+        if engine.failure is not None:
+            raise EngineDiedError(f"the engine failed: {engine.failure}")
     finally:
         engine.shutdown()
         sock.close()

@@ -40,13 +40,15 @@ class DraftProposer:
         self._state: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[tuple[Request, int]]) -> None:
-        """Set spec_token_ids of each (request, k) to k tokens; a request whose lookahead slots
-        do not fit in the pool gets none."""
+        """Set spec_token_ids of each (request, k) to k tokens. The draft writes K/V at the
+        positions of the request's last token and all guesses but the final one, in the
+        lookahead slots the scheduler allocated with the step (num_lookahead_tokens); a request
+        without them (never, while the scheduler allocates them) gets fewer guesses."""
         jobs: list[tuple[Request, int, int]] = []  # request, k, first position to feed
         for request, k in requests:
-            # Room for what the next step computes: the last token and k drafts (the draft
-            # writes all but the last of those positions).
-            if not self.kv.allocate_slots(request, 1 + k):
+            room = len(self.kv.block_ids(request.request_id)) * self.block_size
+            k = min(k, room - request.num_tokens + 1)
+            if k < 1:
                 request.spec_token_ids = []
                 continue
             jobs.append((request, k, self._valid(request)))
@@ -111,9 +113,10 @@ class DraftProposer:
         return out
 
 
-def load_draft_model(path: Path, core) -> LlamaModel:
-    """The draft model at `path` (a model folder or "default"), on the target's device and dtype,
-    after checking that its token ids mean what the target's mean."""
+def load_draft_model(path: Path, core, placement) -> LlamaModel:
+    """The draft model at `path` (a model folder or "default"), on the target's device and dtype
+    (`placement`), after checking that its token ids mean what the target's mean. Under tensor
+    parallelism it runs whole on rank 0, beside that rank's shard of the target."""
     from engine.errors import ModelLoadError
     from engine.model_fetch import resolve_model
     from engine.models.loader import load_model
@@ -122,11 +125,10 @@ def load_draft_model(path: Path, core) -> LlamaModel:
 
     draft_dir = resolve_model(str(path))
     config = load_model_config(draft_dir)
-    target = core.model.config
-    if config.vocab_size != target.vocab_size:
+    if config.vocab_size != core.vocab_size:
         raise ModelLoadError(
             f"draft model {draft_dir} has a vocabulary of {config.vocab_size} tokens, the target "
-            f"{target.vocab_size}: a draft must share the target's tokenizer"
+            f"{core.vocab_size}: a draft must share the target's tokenizer"
         )
     if config.max_position_embeddings < core.max_model_len:
         raise ModelLoadError(
@@ -143,4 +145,6 @@ def load_draft_model(path: Path, core) -> LlamaModel:
             f"draft model {draft_dir} has a different tokenizer from the target's: a draft must "
             f"share the target's tokenizer"
         )
-    return load_model(draft_dir, core.dtype, core.device, core.max_model_len, core.kernels)
+    return load_model(
+        draft_dir, placement.dtype, placement.device, core.max_model_len, placement.kernels
+    )

@@ -17,9 +17,10 @@ class Proposer(Protocol):
         """The request has ended: drop whatever the proposer kept for it."""
 
 
-def build_proposer(config: EngineConfig, core) -> Proposer | None:
-    """The proposer config.speculative names, for `core` (an EngineCore: its model, KV manager,
-    tokenizer and device); None without speculative decoding."""
+def build_proposer(config: EngineConfig, core, placement) -> Proposer | None:
+    """The proposer config.speculative names, for `core` (an EngineCore: its model config, KV
+    manager and tokenizer) whose model runs as `placement` says (an engine_builder.Placement);
+    None without speculative decoding."""
     if config.speculative is None:
         return None
     if config.speculative == "ngram":
@@ -28,5 +29,5 @@ def build_proposer(config: EngineConfig, core) -> Proposer | None:
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     from engine.spec.draft import DraftProposer, load_draft_model
 
-    model = load_draft_model(Path(config.draft_model), core)
+    model = load_draft_model(Path(config.draft_model), core, placement)
     return DraftProposer(model, core.kv, core.num_blocks, config.block_size)

@@ -189,10 +189,10 @@ def test_overhead_switches():
 
 def _engine_blocks(model_dir, kv_cache_memory: int) -> int:
     from engine.config import EngineConfig
-    from engine.engine_core import EngineCore
+    from engine.engine_builder import build_engine_core
 
     config = EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=kv_cache_memory)
-    return EngineCore(config, model_dir).num_blocks
+    return build_engine_core(config, model_dir).num_blocks
 
 
 def _planner_blocks(model_dir, kv_cache_memory: int) -> int:

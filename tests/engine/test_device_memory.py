@@ -20,7 +20,7 @@ def test_split_fills_the_budget_within_limits():
 
 def test_profile_forward_runs_and_reports_its_temporary_pool(tmp_path):
     llm = LLM(model=str(build_tiny_model("llama", tmp_path / "m")), num_kv_blocks=8)
-    model = llm.engine.core.model
+    model = llm.engine.core.executor.model
     cfg = model.config
     temp = _profile_forward(model, 100, 4, 64, block_size=16)
     blocks = sum(-(-n // 16) for n in _split(100, 4, 63))

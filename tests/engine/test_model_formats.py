@@ -207,7 +207,7 @@ def test_half_checkpoint_upcast_to_float32_matches_hf(half_dirs, name):
 def test_bfloat16_runs_end_to_end(half_dirs):
     path = half_dirs["bfloat16"]
     llm = LLM(model=str(path), dtype="bfloat16", device="cpu", block_size=16)
-    assert llm.engine.core.model.dtype == torch.bfloat16
+    assert llm.engine.core.executor.model.dtype == torch.bfloat16
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
     results = llm.generate(PROMPTS, params)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -90,7 +90,7 @@ def test_a_failed_forward_fails_its_step_and_poisons_no_cache(model_dir, monkeyp
     llm = _llm(model_dir, max_num_seqs=2)
     reference = _llm(model_dir)
     expected = reference.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
-    runner = llm.engine.core.runner
+    runner = llm.engine.core.executor.runner
     execute = runner.execute
     calls = iter([True])
 

@@ -1,0 +1,1 @@
+"""Tensor parallelism on torch.distributed: the ranks' process group and its collectives."""

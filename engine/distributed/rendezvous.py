@@ -1,0 +1,119 @@
+"""How tensor-parallel ranks find each other, and the control channel rank 0 drives them with.
+
+Ranks meet at a TCPStore on rank 0 (torchrun's env:// variables: MASTER_ADDR, MASTER_PORT,
+RANK, WORLD_SIZE, LOCAL_RANK; or an address the engine picks when it starts its workers itself).
+Two process groups come from it: the model's (NCCL on CUDA, gloo on CPU) for the all-reduces
+and gathers inside the forward, and a gloo control group on which rank 0 broadcasts each step's
+input. Both are owned by the engine, not registered as torch.distributed's default group.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed.group import TensorParallel
+
+# The model group's collectives: long enough for a slow rank to finish a big prefill, short
+# enough that a rank lost without a closed connection ends the engine rather than hanging it.
+MODEL_TIMEOUT = timedelta(minutes=5)
+# Workers wait for rank 0's next step for as long as the server is idle.
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    host: str
+    port: int
+    rank: int
+    size: int
+    local_rank: int  # the rank's index on its own machine: which GPU it takes
+
+    @classmethod
+    def from_env(cls) -> Rendezvous | None:
+        """torchrun's variables, when WORLD_SIZE is set; a missing or bad one is named."""
+        if "WORLD_SIZE" not in os.environ:
+            return None
+        values = {}
+        for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+            if not os.environ.get(name):
+                raise ValueError(
+                    f"WORLD_SIZE is set, so ranks meet by env:// rendezvous, but {name} is not"
+                )
+            values[name] = os.environ[name]
+        try:
+            port, rank, size = (int(values[n]) for n in ("MASTER_PORT", "RANK", "WORLD_SIZE"))
+            local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        except ValueError as e:
+            raise ValueError(
+                f"env:// rendezvous: MASTER_PORT, RANK, WORLD_SIZE must be integers: {e}"
+            ) from None
+        if not 0 <= rank < size:
+            raise ValueError(f"env:// rendezvous: RANK {rank} is outside WORLD_SIZE {size}")
+        return cls(values["MASTER_ADDR"], port, rank, size, local_rank)
+
+    def store(self, master: dist.TCPStore | None = None) -> dist.Store:
+        if master is not None:
+            return master
+        return dist.TCPStore(
+            self.host,
+            self.port,
+            self.size,
+            is_master=self.rank == 0,
+            timeout=timedelta(minutes=10),
+            wait_for_workers=False,
+        )
+
+
+def master_store(size: int) -> dist.TCPStore:
+    """A store on a free loopback port, for workers this process starts itself: they join within
+    seconds of starting (before loading weights), so a short wait bounds a failed start."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, size, is_master=True, timeout=timedelta(minutes=2), wait_for_workers=False
+    )
+
+
+def join(
+    rv: Rendezvous, device: torch.device, master: dist.TCPStore | None = None
+) -> tuple[TensorParallel, dist.ProcessGroup]:
+    """(the model's group, the control group); returns once every rank has joined."""
+    store = rv.store(master)
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore("control", store), rv.rank, rv.size, IDLE_TIMEOUT
+    )
+    model_store = dist.PrefixStore("model", store)
+    if device.type == "cuda":
+        group = dist.ProcessGroupNCCL(model_store, rv.rank, rv.size)
+    else:
+        group = dist.ProcessGroupGloo(model_store, rv.rank, rv.size, MODEL_TIMEOUT)
+    return TensorParallel(rv.rank, rv.size, group), control
+
+
+def send_object(control: dist.ProcessGroup, obj: object) -> None:
+    """Rank 0: obj to every other rank (pickled, so ranks must trust each other: they are one
+    engine; tensors in it should be on the CPU)."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    control.broadcast([torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+    control.broadcast([data]).wait()
+
+
+def receive_object(control: dist.ProcessGroup) -> object:
+    """The other ranks: what rank 0 sent."""
+    length = torch.zeros(1, dtype=torch.int64)
+    control.broadcast([length]).wait()
+    data = torch.empty(int(length.item()), dtype=torch.uint8)
+    control.broadcast([data]).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+def min_over_ranks(control: dist.ProcessGroup, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    control.allreduce([t], opts).wait()
+    return int(t.item())

@@ -1,0 +1,176 @@
+"""Tensor parallelism: rank 0 in this process, the other ranks in worker processes.
+
+Rank 0 is the engine's own process (vLLM v0's driver-worker layout): it schedules, holds its
+shard, broadcasts each step's input on the control group, runs its share of the forward (whose
+all-reduces and gathers need every rank) and samples from the gathered logits; the sampled
+tokens reach the other ranks as the next step's input ids. Workers are started here with
+torch.multiprocessing (spawn), or, under a torchrun-style env:// rendezvous, started by whoever
+launched this process on each machine (`nightshift serve` on a rank above 0 is a worker).
+
+A worker that dies ends the engine: a monitor thread sees its process exit, records why, aborts
+the groups so no collective waits on it, and calls the failure callbacks (the server stops with
+a non-zero exit). Any failure inside a step is fatal too: the ranks would no longer be in step.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from engine.config import EngineConfig
+from engine.distributed.rendezvous import Rendezvous, master_store, send_object
+from engine.errors import ExecutorFailedError
+from engine.executor.worker import SHUTDOWN, load_rank, spawned_worker, to_device
+from engine.models.model_config import load_model_config
+from engine.models.sharding import ShardPlan
+from engine.runner import ModelRunner, RunnerOutput, StepInput
+from engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, placement) -> None:
+        size = config.tensor_parallel_size
+        # The split is checked before anything starts: a model that cannot be split by `size`
+        # fails here, in one line, with no process to clean up.
+        ShardPlan(load_model_config(placement.model_dir), 0, size)
+        self.failure: str | None = None
+        self.on_failure: list[Callable[[str], None]] = []
+        self._closing = False
+        self._procs: list[mp.Process] = []
+        self._threads_before: int | None = None
+        self._control = None
+        self._tp = None
+        env = Rendezvous.from_env()
+        try:
+            if env is not None:
+                rv, master = self._env_rank0(env, size), None
+            else:
+                master = master_store(size)
+                rv = Rendezvous("127.0.0.1", master.port, 0, size, 0)
+                self._start_workers(config, placement, rv)
+                # Watching from the start: a worker that fails to load ends the build too.
+                threading.Thread(
+                    target=self._monitor, name="nightshift-tp-monitor", daemon=True
+                ).start()
+            model, self.num_blocks, self._tp, self._control = load_rank(
+                config, placement, rv, master
+            )
+        except BaseException as e:
+            self.shutdown()
+            if self.failure is not None:
+                raise ExecutorFailedError(self.failure) from e
+            raise
+        self.model = model
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self._send_step)
+        logger.info("tensor parallel: %d ranks (%s)", size, "env://" if env else "local workers")
+
+    @staticmethod
+    def _env_rank0(env: Rendezvous, size: int) -> Rendezvous:
+        if env.size != size:
+            raise ValueError(
+                f"WORLD_SIZE {env.size} differs from tensor_parallel_size {size}: each rank of "
+                "the env:// rendezvous is one tensor-parallel rank"
+            )
+        if env.rank != 0:
+            raise ValueError(
+                f"RANK {env.rank} is a tensor-parallel worker, not an engine: start it with "
+                "`nightshift serve` (it joins rank 0 and runs its steps)"
+            )
+        return env
+
+    def _start_workers(self, config: EngineConfig, placement, rv: Rendezvous) -> None:
+        # The CPU is shared: each rank gets its share of the threads (on a GPU, one each).
+        threads = max(1, (config.num_threads or torch.get_num_threads()) // rv.size)
+        if placement.device.type == "cpu":
+            self._threads_before = torch.get_num_threads()  # given back at shutdown
+            torch.set_num_threads(threads)
+        context = mp.get_context("spawn")
+        if getattr(mp.current_process(), "_inheriting", False):
+            # A spawned worker re-imports the main module; a script that builds the engine at
+            # its top level would build it again in every worker.
+            raise RuntimeError(
+                "an engine with tensor_parallel_size > 1 was built while a worker process "
+                'imported the main module: build it under `if __name__ == "__main__":`'
+            )
+        for rank in range(1, rv.size):
+            worker = Rendezvous(rv.host, rv.port, rank, rv.size, rank)
+            proc = context.Process(
+                target=spawned_worker,
+                args=(config, placement, worker, threads),
+                name=f"nightshift-tp-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            self._procs.append(proc)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.check_health()
+        try:
+            return self.runner.execute(sched)
+        except Exception as e:
+            # Whatever failed, the ranks are no longer in step: nothing can compute any more.
+            reason = self.failure or f"a tensor-parallel step failed: {e}"
+            self._fail(reason)
+            raise ExecutorFailedError(reason) from e
+
+    def _send_step(self, step: StepInput) -> None:
+        send_object(self._control, to_device(step, torch.device("cpu")))
+
+    def check_health(self) -> None:
+        if self.failure is not None:
+            raise ExecutorFailedError(self.failure)
+
+    def _monitor(self) -> None:
+        sentinels = {p.sentinel: p for p in self._procs}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        proc = sentinels[ready[0]]
+        proc.join(0.1)
+        self._fail(f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})")
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self.failure = reason
+        logger.error("engine failed: %s", reason)
+        self._abort_groups()
+        for callback in list(self.on_failure):
+            try:
+                callback(reason)
+            except Exception:  # noqa: BLE001 - the others must still hear of it
+                logger.exception("a failure callback failed")
+
+    def _abort_groups(self) -> None:
+        for group in (self._tp.group if self._tp else None, self._control):
+            if group is not None:
+                try:
+                    group.abort()
+                except Exception:  # noqa: BLE001 - best effort: the process is ending anyway
+                    pass
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._control is not None and self.failure is None:
+            try:
+                send_object(self._control, SHUTDOWN)
+            except Exception:  # noqa: BLE001 - a dead worker is killed below
+                pass
+        for proc in self._procs:
+            proc.join(5)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        self._abort_groups()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)

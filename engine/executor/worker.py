@@ -1,0 +1,96 @@
+"""A tensor-parallel rank other than 0: it loads its shard, sizes its KV pool with the others,
+then runs every step rank 0 sends until told to stop. It never schedules or samples: the step's
+input says what to compute, and its collectives finish rank 0's forward."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import replace
+
+import torch
+
+from engine.config import EngineConfig
+from engine.distributed.rendezvous import Rendezvous, join, min_over_ranks, receive_object
+from engine.runner import ModelRunner, StepInput
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+
+
+def rank_device(placement_device: torch.device, local_rank: int) -> torch.device:
+    """Each rank's own GPU (its local rank on its machine); the CPU is shared."""
+    if placement_device.type != "cuda":
+        return placement_device
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def load_rank(config: EngineConfig, placement, rv: Rendezvous, master=None):
+    """Join the group, load this rank's shard and size the KV pool as every rank does: the
+    smallest pool any rank can hold is everybody's. Returns (model, runner-ready block count,
+    group, control group)."""
+    from engine.engine_builder import kv_blocks
+    from engine.models.loader import load_model
+
+    device = rank_device(placement.device, rv.local_rank)
+    placement = replace(placement, device=device)
+    tp, control = join(rv, device, master)
+    model = load_model(
+        placement.model_dir,
+        placement.dtype,
+        device,
+        placement.max_model_len,
+        placement.kernels,
+        tp,
+    )
+    blocks, _ = kv_blocks(config, model, placement)
+    return model, min_over_ranks(control, blocks), tp, control
+
+
+def run_worker(config: EngineConfig, placement, rv: Rendezvous, master=None) -> None:
+    model, num_blocks, _, control = load_rank(config, placement, rv, master)
+    runner = ModelRunner(model, num_blocks, config.block_size)
+    logger.info("tensor-parallel rank %d/%d ready: %d KV blocks", rv.rank, rv.size, num_blocks)
+    with torch.inference_mode():
+        while True:
+            message = receive_object(control)
+            if message == SHUTDOWN:
+                return
+            assert isinstance(message, StepInput)
+            runner.run(to_device(message, model.device))
+
+
+def to_device(step: StepInput, device: torch.device) -> StepInput:
+    meta = step.meta
+    if step.input_ids.device == device:
+        return step
+    return StepInput(
+        step.input_ids.to(device),
+        step.positions.to(device),
+        replace(
+            meta,
+            slot_mapping=meta.slot_mapping.to(device),
+            block_tables=meta.block_tables.to(device),
+            seq_lens=meta.seq_lens.to(device),
+            cache={},
+        ),
+        step.logit_rows,
+    )
+
+
+def spawned_worker(config: EngineConfig, placement, rv: Rendezvous, threads: int) -> None:
+    """The entry point of a worker process the engine started (torch.multiprocessing spawn)."""
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s rank{rv.rank} %(levelname)s %(message)s"
+    )
+    torch.set_num_threads(threads)
+    try:
+        run_worker(config, placement, rv)
+    except Exception:  # noqa: BLE001 - the exit code tells rank 0; the log says why
+        logger.exception("tensor-parallel rank %d failed", rv.rank)
+        sys.stderr.flush()
+        os._exit(1)

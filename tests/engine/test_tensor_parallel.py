@@ -1,0 +1,256 @@
+"""Tensor parallelism on CPU with gloo, two ranks: greedy output token-identical to one rank and
+to HF transformers (logprobs within 1e-4) through chunked prefill, prefix hits, preemption and
+speculative decoding; a dead worker fails the engine at once; the env:// rendezvous; nothing
+left running after shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import ExecutorFailedError, ModelLoadError
+from engine.models.model_config import load_model_config
+from engine.models.sharding import ShardPlan
+from tests.engine.tiny_models import build_tiny_model, hf_greedy, load_hf
+
+MAX_NEW = 10
+REPO = Path(__file__).resolve().parents[2]
+
+# Every mechanism at once: a 24-token budget chunks the prompts, 12 blocks of 16 force
+# preemption among 8 requests, half the prompts share a 40-token prefix, and n-gram lookup
+# proposes drafts from the prompts' repeats.
+CRAMPED = dict(
+    block_size=16,
+    num_kv_blocks=12,
+    max_num_seqs=8,
+    max_num_batched_tokens=24,
+    enable_prefix_caching=True,
+    speculative="ngram",
+    prompt_lookup_min=1,
+    prompt_lookup_max=3,
+    num_speculative_tokens=3,
+    device="cpu",
+)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(3)
+    shared = [rng.randrange(2, vocab) for _ in range(40)]
+    prompts = []
+    for i, n in enumerate([1, 5, 17, 30, 45, 60, 20, 9]):
+        tail = [rng.randrange(2, vocab) for _ in range(n)]
+        tail += tail[: n // 2]  # repeats: something for n-gram lookup to propose
+        prompts.append(shared + tail if i % 2 else tail)
+    return prompts
+
+
+MODELS = {
+    "llama-gqa": ("llama", {}),  # 4 heads, 2 KV heads: one KV head per rank
+    "llama-1kv-tied": ("llama", {"num_key_value_heads": 1, "tied": True}),  # KV head replicated
+    "qwen2-bias-odd-vocab": ("qwen2", {"vocab_size": 383}),  # biases split; vocab padded
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model_case(request, tmp_path_factory):
+    family, overrides = MODELS[request.param]
+    overrides = dict(overrides)
+    tied = overrides.pop("tied", False)
+    path = build_tiny_model(family, tmp_path_factory.mktemp(request.param), tied=tied, **overrides)
+    hf = load_hf(path)
+    prompts = _prompts(hf.config.vocab_size)
+    return path, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+
+
+def _check(results, expected) -> None:
+    for result, (tokens, logprobs) in zip(results, expected, strict=True):
+        assert result.outputs[0].token_ids == tokens
+        for step, (ours, ref) in enumerate(zip(result.outputs[0].logprobs, logprobs)):
+            for token, value in ours.items():
+                assert abs(value - ref[token].item()) < 1e-4, (step, token)
+
+
+def test_two_ranks_match_one_rank_and_hf(model_case):
+    path, prompts, expected = model_case
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=5)
+    single = LLM(model=str(path), **CRAMPED)
+    one_rank = [r.outputs[0].token_ids for r in single.generate(prompts, params)]
+    tp = LLM(model=str(path), tensor_parallel_size=2, **CRAMPED)
+    try:
+        for _ in range(2):  # the second pass hits the prefix cache the first left
+            results = tp.generate(prompts, params)
+            _check(results, expected)
+            assert [r.outputs[0].token_ids for r in results] == one_rank
+        core = tp.engine.core
+        assert core.scheduler.num_preemptions > 0
+        assert core.kv.prefix_stats.hit_tokens > 0
+        assert core.spec_stats.num_draft_tokens > 0
+        core.kv.check_integrity()
+        assert core.kv.stats().num_used == 0
+        # Each rank holds half the query heads, and its KV pool half the KV heads (or the
+        # single KV head, replicated).
+        model = core.executor.model
+        config = load_model_config(path)
+        assert model.num_heads == config.num_heads // 2
+        assert model.num_kv_heads == max(1, config.num_kv_heads // 2)
+        assert core.executor.runner.kv_caches[0][0].shape[2] == model.num_kv_heads
+    finally:
+        tp.shutdown()
+
+
+def test_draft_model_speculation_with_two_ranks(tmp_path):
+    """A draft model runs whole on rank 0 and writes its K/V into the lookahead slots the
+    scheduler reserves; the output is the target's greedy output."""
+    target = build_tiny_model("llama", tmp_path / "target")
+    draft = build_tiny_model("llama", tmp_path / "draft", seed=1, num_hidden_layers=1)
+    prompts = _prompts(384)[:4]
+    expected = [hf_greedy(load_hf(target), p, MAX_NEW)[0] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    options = dict(CRAMPED, speculative="draft", draft_model=str(draft), num_kv_blocks=64)
+    del options["prompt_lookup_min"], options["prompt_lookup_max"]
+    llm = LLM(model=str(target), tensor_parallel_size=2, **options)
+    try:
+        assert [r.outputs[0].token_ids for r in llm.generate(prompts, params)] == expected
+        assert llm.engine.core.spec_stats.num_draft_tokens > 0
+        llm.engine.core.kv.check_integrity()
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_worker_fails_the_engine_at_once(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "m")
+    llm = LLM(model=str(path), tensor_parallel_size=2, device="cpu")
+    executor = llm.engine.core.executor
+    worker = executor._procs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids) == 4
+    os.kill(worker.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while executor.failure is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "exited" in (executor.failure or "")
+    start = time.monotonic()
+    with pytest.raises(ExecutorFailedError, match="exited"):
+        llm.generate([[5, 6, 7]], params)
+    assert time.monotonic() - start < 5
+    llm.shutdown()
+    assert not worker.is_alive()
+
+
+def test_shutdown_leaves_no_worker(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "m")
+    llm = LLM(model=str(path), tensor_parallel_size=2, device="cpu")
+    workers = list(llm.engine.core.executor._procs)
+    assert all(w.is_alive() for w in workers)
+    llm.shutdown()
+    assert not any(w.is_alive() for w in workers)
+    llm.shutdown()  # idempotent
+
+
+def test_a_split_that_does_not_divide_is_refused_before_anything_starts(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "m", num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ModelLoadError, match="does not divide the model's 4 attention heads"):
+        LLM(model=str(path), tensor_parallel_size=3, device="cpu")
+    config = load_model_config(path)
+    with pytest.raises(ModelLoadError, match="KV heads"):
+        ShardPlan(config.__class__(**{**_fields(config), "num_kv_heads": 3}), 0, 2)
+
+
+def _fields(config) -> dict:
+    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from engine import LLM, SamplingParams
+    if __name__ == "__main__":
+        llm = LLM(model=sys.argv[1], tensor_parallel_size=2, device="cpu")
+        out = llm.generate([[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=6,
+                           ignore_eos=True))
+        print(json.dumps([o.outputs[0].token_ids for o in out]))
+        llm.shutdown()
+    """
+)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_env_rendezvous_joins_ranks_started_apart(tmp_path):
+    """torchrun's variables: rank 0 runs the engine (here the offline API), rank 1 is
+    `nightshift serve` on the same variables, a worker that runs rank 0's steps and exits
+    when rank 0 shuts down."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=str(REPO),
+    )
+    nightshift = Path(sys.executable).with_name("nightshift")
+    worker = subprocess.Popen(
+        [str(nightshift), "serve", "--model", str(path), "--device", "cpu", "-tp", "2"],
+        env=dict(env, RANK="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        rank0 = subprocess.run(
+            [sys.executable, str(script), str(path)],
+            env=dict(env, RANK="0"),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert rank0.returncode == 0, rank0.stderr[-2000:]
+        expected = LLM(model=str(path), device="cpu").generate(
+            [[5, 6, 7, 8], [9, 10]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
+        tokens = json.loads(rank0.stdout.strip().splitlines()[-1])
+        assert tokens == [o.outputs[0].token_ids for o in expected]
+        assert worker.wait(timeout=30) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+def test_prompt_logprobs_and_embeddings_with_two_ranks(tmp_path):
+    """Rows beyond the sampled ones (prompt logprobs) go through the split LM head on every
+    rank; pooled hidden states come from rank 0's (replicated) hidden states."""
+    path = build_tiny_model("qwen2", tmp_path / "m")
+    prompts = _prompts(384)[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2, ignore_eos=True)
+    single = LLM(model=str(path), device="cpu", max_num_batched_tokens=32)
+    tp = LLM(model=str(path), device="cpu", max_num_batched_tokens=32, tensor_parallel_size=2)
+    try:
+        for ours, ref in zip(tp.generate(prompts, params), single.generate(prompts, params)):
+            assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+            assert len(ours.prompt_logprobs) == len(ref.prompt_logprobs)
+            for a, b in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+                assert a.keys() == b.keys()
+                assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+        for ours, ref in zip(tp.embed(prompts), single.embed(prompts)):
+            assert max(abs(x - y) for x, y in zip(ours.embedding, ref.embedding)) < 1e-5
+    finally:
+        tp.shutdown()
