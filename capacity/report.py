@@ -41,6 +41,7 @@ from capacity.planner import (
     request_lengths,
 )
 from capacity.search import SearchResult, search_settings
+from capacity.serve_command import serve_command
 from workload.synth import synth_trace
 from workload.trace import TraceRecord
 
@@ -281,6 +282,8 @@ def report_json(report: Report) -> dict:
                 "preemptions": p.sim.preemptions,
                 "latency_s": p.latency,
             }
+            command = serve_command(p, report.settings, report.model.name)
+            entry["serve_command"] = {"args": command.args, "caveats": command.caveats}
         plans.append(entry)
     return {
         "model": report.model.name,
@@ -346,6 +349,7 @@ def _context(report: Report) -> dict:
         "total_tps": total_tokens_per_s,
         "rps": requests_per_s,
         "tp_note": tp_note,
+        "serve": lambda p: serve_command(p, report.settings, report.model.name),
         "searched": search_rows(report),
         "mem": MEMORY_CONSTANTS,
         "pct": lambda x: "n/a" if x is None else f"{x * 100:.0f}%",

@@ -1,7 +1,8 @@
-"""The engine's own scheduler on a virtual clock.
+"""The engine itself on a virtual clock.
 
-`simulate` feeds a trace to `engine.scheduler.Scheduler` and `engine.kv.KVCacheManager` - the
-code the engine runs, not a model of it - and replaces the forward pass with the performance
+`simulate` feeds a trace to `engine.engine_core.EngineCore` - the code the engine runs, not a
+model of it: its admission, scheduler, KV cache manager, stop checks, retire path and draft
+proposals - over `SimulatedExecutor`, which replaces the forward pass with the performance
 model: each step advances the clock by `step_time(shape)` and every sampling row emits a token,
 until each request reaches its trace output length (ignore_eos, as a replay forces it). Prompts
 are token ids derived from the trace's hash_ids, so equal blocks hit the prefix cache as they do
@@ -16,15 +17,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 
 from capacity.perf import StepShape
+from capacity.simulated_executor import (
+    SimulatedExecutor,
+    SimulatedProposer,
+    SimulatedRejectionSampler,
+    SimulatedSampler,
+    VirtualClock,
+)
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.errors import InvalidRequestError
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerConfig
 from workload.trace import TraceRecord
-
-_TOKEN = 1  # what the simulated runner "samples"; no stop ids and ignore_eos, so never a stop
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,62 +233,126 @@ def simulate(
     time_scale, or all at 0 (batch). With `speculation`, decoding requests verify drafts.
     `request_cost_s`: the serving front end's serial cost per request (see `_FrontEnd`)."""
     load = load or Load("batch" if batch else "trace")
-    kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
-    config = SchedulerConfig(
-        engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len
-    )
-    scheduler = Scheduler(config, kv)
-    sims, pending = _requests(trace, engine, _arrivals(trace, load, time_scale), vocab)
-    by_id = {s.request_id: s for s in sims}
+    _check_trace(trace, engine)
+    clock = VirtualClock()
+    executor = SimulatedExecutor(step_time, engine.num_blocks, clock, keep_schedule)
+    core = simulated_core(engine, executor, vocab, speculation)
+    arrivals = _arrivals(trace, load, time_scale)
+    sims = [
+        SimRequest(str(i), arrivals[i], r.input_length, max(1, r.output_length))
+        for i, r in enumerate(trace)
+    ]
+    # Popped from the end: latest arrival first; equal times in trace order.
+    pending = sorted(range(len(trace)), key=lambda i: (-arrivals[i], -i))
     closed_loop = load.mode == "concurrency"
     front = _FrontEnd(request_cost_s)
     in_flight = 0
-    clock, steps, result = 0.0, 0, SimResult(sims, 0.0, 0, 0)
-    rng = random.Random(speculation.seed) if speculation else None
-    q = speculation.per_draft if speculation else 0.0
-    while pending or front.queue or scheduler.has_unfinished():
+    result = SimResult(sims, 0.0, 0, 0)
+    while pending or front.queue or core.has_unfinished():
         if closed_loop:
             # The next request goes out as soon as one of the `concurrency` finishes.
             while pending and in_flight < load.concurrency:
-                request = pending.pop()[1]
-                request.arrival_time = by_id[request.request_id].arrival_s = clock
-                front.send(clock, request)
+                index = pending.pop()
+                sims[index].arrival_s = clock.now
+                front.send(clock.now, index)
                 in_flight += 1
-        while not closed_loop and pending and pending[-1][0] <= clock:
-            front.send(*pending.pop())
-        for request in front.ready(clock):
-            scheduler.add_request(request)
-        if not scheduler.has_unfinished():
+        while not closed_loop and pending and arrivals[pending[-1]] <= clock.now:
+            index = pending.pop()
+            front.send(arrivals[index], index)
+        for index in front.ready(clock.now):
+            _add(core, trace[index], index, sims[index], vocab)
+        if not core.has_unfinished():
             # idle until the next arrival, or until the front end hands the next request over
             # (closed loop: pending requests are sent when others finish, not at a time)
-            arrival = pending[-1][0] if pending and not closed_loop else None
-            clock = min(t for t in (front.next_ready(), arrival) if t is not None)
+            arrival = arrivals[pending[-1]] if pending and not closed_loop else None
+            clock.now = min(t for t in (front.next_ready(), arrival) if t is not None)
             continue
-        out = scheduler.schedule()
-        if not out.scheduled:
+        before = executor.steps
+        outputs = core.step()
+        if executor.steps == before:
             raise RuntimeError("the scheduler could not run anything: a request does not fit")
-        clock += step_time(_shape(out))
-        steps += 1
-        if keep_schedule:
-            result.schedule.append([(s.request.request_id, s.num_tokens) for s in out.scheduled])
-        sampled = {
-            s.request.request_id: [_TOKEN] * (1 + _accepted(len(s.spec_token_ids), q, rng))
-            for s in out.scheduled
-            if s.samples
-        }
-        for rid in sampled:
-            if by_id[rid].first_token_s is None:
-                by_id[rid].first_token_s = clock
-        for request in scheduler.update(out, sampled):
-            by_id[request.request_id].finish_s = clock
-            in_flight -= 1
-        if speculation is not None:
-            _propose(out, speculation, engine.max_model_len, rng)
-        result.kv_usage.append((clock, kv.usage()))
+        for out in outputs:
+            sim = sims[int(out.request.request_id)]
+            if out.request.error is not None:
+                raise RuntimeError(f"simulated request {sim.request_id}: {out.request.error}")
+            if out.num_new_tokens and sim.first_token_s is None:
+                sim.first_token_s = clock.now
+            if out.finished:
+                sim.finish_s = clock.now
+                in_flight -= 1
+        result.kv_usage.append((clock.now, core.kv.usage()))
     first = min((s.arrival_s for s in sims), default=0.0)
-    result.makespan_s, result.steps = clock - first, steps
-    result.preemptions = scheduler.num_preemptions
+    result.makespan_s, result.steps = clock.now - first, executor.steps
+    result.preemptions = core.scheduler.num_preemptions
+    result.schedule = executor.schedule
     return result
+
+
+def simulated_core(
+    engine: EngineShape,
+    executor: SimulatedExecutor,
+    vocab: int,
+    speculation: Speculation | None = None,
+) -> EngineCore:
+    """EngineCore over the simulated executor: the engine's own admission, scheduler, stop
+    checks and proposer path, with `engine`'s settings."""
+    config = EngineConfig(
+        block_size=engine.block_size,
+        num_kv_blocks=engine.num_blocks,
+        max_num_seqs=engine.max_num_seqs,
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_model_len=engine.max_model_len,
+        enable_prefix_caching=engine.enable_prefix_caching,
+        speculative="ngram" if speculation else None,
+        num_speculative_tokens=speculation.num_tokens if speculation else 4,
+    )
+    kv = KVCacheManager(engine.num_blocks, engine.block_size, engine.enable_prefix_caching)
+    scheduler = Scheduler(
+        SchedulerConfig(engine.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len),
+        kv,
+    )
+    rng = random.Random(speculation.seed if speculation else 0)
+    return EngineCore(
+        scheduler,
+        executor,
+        SimulatedSampler(),
+        SimulatedProposer(speculation.proposal_rate, rng) if speculation else None,
+        executor.clock,
+        config=config,
+        vocab_size=vocab,
+        eos_token_ids=(),
+        max_model_len=engine.max_model_len,
+        device=torch.device("cpu"),
+        rejection_sampler=SimulatedRejectionSampler(
+            speculation.per_draft if speculation else 0.0, rng
+        ),
+    )
+
+
+def _add(core: EngineCore, record: TraceRecord, index: int, sim: SimRequest, vocab: int) -> None:
+    params = SamplingParams(max_tokens=sim.output_length, ignore_eos=True, temperature=0)
+    try:
+        core.add_request(
+            sim.request_id,
+            prompt_token_ids(record, vocab, owner=index),
+            params,
+            arrival_time=sim.arrival_s,
+        )
+    except InvalidRequestError as e:
+        raise ValueError(f"trace record {index}: {e}") from None
+
+
+def _check_trace(trace: list[TraceRecord], engine: EngineShape) -> None:
+    for index, record in enumerate(trace):
+        # A request generates at least one token: a recorded 0 is sent as 1, as replay sends it.
+        output = max(1, record.output_length)
+        if record.input_length < 1:
+            raise ValueError(f"trace record {index}: the input length must be >= 1")
+        if record.input_length + output > engine.max_model_len:
+            raise ValueError(
+                f"trace record {index}: {record.input_length} + {output} tokens "
+                f"exceed max_model_len {engine.max_model_len}"
+            )
 
 
 class _FrontEnd:
@@ -293,16 +366,16 @@ class _FrontEnd:
     def __init__(self, cost: float) -> None:
         self.cost = cost
         self.free_at = 0.0
-        self.queue: deque[tuple[float, Request]] = deque()  # (ready time, request), in order
+        self.queue: deque[tuple[float, int]] = deque()  # (ready time, trace index), in order
 
-    def send(self, clock: float, request: Request) -> None:
+    def send(self, clock: float, index: int) -> None:
         if self.cost <= 0:
-            self.queue.append((clock, request))
+            self.queue.append((clock, index))
             return
         self.free_at = max(self.free_at, clock) + self.cost
-        self.queue.append((self.free_at, request))
+        self.queue.append((self.free_at, index))
 
-    def ready(self, clock: float) -> list[Request]:
+    def ready(self, clock: float) -> list[int]:
         ready = []
         while self.queue and self.queue[0][0] <= clock:
             ready.append(self.queue.popleft()[1])
@@ -310,34 +383,6 @@ class _FrontEnd:
 
     def next_ready(self) -> float | None:
         return self.queue[0][0] if self.queue else None
-
-
-def _accepted(drafts: int, q: float, rng: random.Random | None) -> int:
-    """How many of a verification's drafts are accepted: each with probability q, until the
-    first rejection."""
-    accepted = 0
-    while accepted < drafts and rng is not None and rng.random() < q:
-        accepted += 1
-    return accepted
-
-
-def _propose(
-    out: SchedulerOutput, speculation: Speculation, max_model_len: int, rng: random.Random
-) -> None:
-    """Drafts for the next step, as EngineCore._propose makes them: for requests that just
-    sampled and keep decoding, never past max_tokens or max_model_len."""
-    for s in out.scheduled:
-        r = s.request
-        if not s.samples or r.status != RequestStatus.RUNNING:
-            continue
-        if rng.random() >= speculation.proposal_rate:
-            continue
-        k = min(
-            speculation.num_tokens,
-            r.max_tokens - len(r.output_token_ids) - 1,
-            max_model_len - r.num_tokens - 1,
-        )
-        r.spec_token_ids = [_TOKEN] * max(0, k)
 
 
 def _arrivals(trace: list[TraceRecord], load: Load, time_scale: float) -> list[float]:
@@ -352,46 +397,3 @@ def _arrivals(trace: list[TraceRecord], load: Load, time_scale: float) -> list[f
             clock += rng.expovariate(load.rate)
         return arrivals
     return [0.0] * len(trace)
-
-
-def _requests(
-    trace: list[TraceRecord], engine: EngineShape, arrivals: list[float], vocab: int
-) -> tuple[list[SimRequest], list[tuple[float, Request]]]:
-    sims, pending = [], []
-    for index, record in enumerate(trace):
-        # A request generates at least one token: a recorded 0 is sent as 1, as replay sends it.
-        output = max(1, record.output_length)
-        if record.input_length < 1:
-            raise ValueError(f"trace record {index}: the input length must be >= 1")
-        if record.input_length + output > engine.max_model_len:
-            raise ValueError(
-                f"trace record {index}: {record.input_length} + {output} tokens "
-                f"exceed max_model_len {engine.max_model_len}"
-            )
-        arrival = arrivals[index]
-        rid = str(index)
-        params = SamplingParams(max_tokens=output, ignore_eos=True, temperature=0)
-        request = Request(
-            rid,
-            prompt_token_ids(record, vocab, owner=index),
-            params,
-            output,
-            arrival,
-            arrival_seq=index,
-        )
-        sims.append(SimRequest(rid, arrival, record.input_length, output))
-        pending.append((arrival, request))
-    # Popped from the end: latest arrival first in the list; stable for equal times.
-    pending.sort(key=lambda item: (-item[0], -item[1].arrival_seq))
-    return sims, pending
-
-
-def _shape(out: SchedulerOutput) -> StepShape:
-    tokens = rows = pairs = context = 0
-    for s in out.scheduled:
-        start = s.request.num_computed_tokens  # before update(): the tokens already computed
-        tokens += s.num_tokens
-        pairs += s.attention_pairs(start)
-        context += start + s.num_tokens
-        rows += s.samples
-    return StepShape(tokens, rows, pairs, context)
