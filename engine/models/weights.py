@@ -61,7 +61,10 @@ def _read(part, name: str, shape: tuple[int, ...], plan: ShardPlan | None) -> to
     dim, start, stop = rule
     start = min(start, shape[dim])
     stop = min(stop, shape[dim])
-    tensor = part[start:stop] if dim == 0 else part[:, start:stop]
+    # A column slice comes back as a strided view of the whole tensor: copied, so the rank keeps
+    # only its slice (and the matmul kernels get the dense layout they are fast on; a strided
+    # weight ran oneDNN's linear 300x slower).
+    tensor = (part[start:stop] if dim == 0 else part[:, start:stop]).contiguous()
     rows = plan.padded_rows(name)
     if rows is not None and tensor.shape[0] < rows:  # the vocabulary's last shard
         pad = torch.zeros((rows - tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)

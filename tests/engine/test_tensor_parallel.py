@@ -104,6 +104,11 @@ def test_two_ranks_match_one_rank_and_hf(model_case):
         assert model.num_heads == config.num_heads // 2
         assert model.num_kv_heads == max(1, config.num_kv_heads // 2)
         assert core.executor.runner.kv_caches[0][0].shape[2] == model.num_kv_heads
+        # A rank holds its slices only, densely (a strided view would keep the whole tensor).
+        for layer in model.layers:
+            for weight in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                assert weight.is_contiguous()
+                assert weight.untyped_storage().nbytes() == weight.numel() * weight.itemsize
     finally:
         tp.shutdown()
 
