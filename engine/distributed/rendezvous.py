@@ -9,8 +9,12 @@ input. Both are owned by the engine, not registered as torch.distributed's defau
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -24,6 +28,13 @@ from engine.distributed.group import TensorParallel
 MODEL_TIMEOUT = timedelta(minutes=5)
 # Workers wait for rank 0's next step for as long as the server is idle.
 IDLE_TIMEOUT = timedelta(days=365)
+# Liveness beside the collectives: each worker adds to its counter in the store every second;
+# rank 0 declares a rank lost after this long without one (a rank on another machine can vanish
+# without closing its connections), and a worker that cannot reach the store ends itself.
+HEARTBEAT_S = 1.0
+HEARTBEAT_LOST_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,3 +128,58 @@ def min_over_ranks(control: dist.ProcessGroup, value: int) -> int:
     opts.reduceOp = dist.ReduceOp.MIN
     control.allreduce([t], opts).wait()
     return int(t.item())
+
+
+def _client(rv: Rendezvous) -> dist.TCPStore:
+    """A connection of this thread's own to rank 0's store."""
+    return dist.TCPStore(
+        rv.host,
+        rv.port,
+        rv.size,
+        is_master=False,
+        timeout=timedelta(seconds=HEARTBEAT_LOST_S),
+        wait_for_workers=False,
+    )
+
+
+def start_heartbeat(rv: Rendezvous, stop: threading.Event) -> None:
+    """A worker's: count up in the store every HEARTBEAT_S; rank 0 gone (the store unreachable)
+    ends this process, since it can never be sent another step."""
+
+    def beat() -> None:
+        try:
+            store = _client(rv)
+            while not stop.wait(HEARTBEAT_S):
+                store.add(f"heartbeat/{rv.rank}", 1)
+        except Exception as e:  # noqa: BLE001 - rank 0 is gone: nothing left to compute for
+            if not stop.is_set():
+                logger.error("rank %d: rank 0's store is unreachable (%s); exiting", rv.rank, e)
+                os._exit(1)
+
+    threading.Thread(target=beat, name=f"nightshift-heartbeat-{rv.rank}", daemon=True).start()
+
+
+def watch_heartbeats(rv: Rendezvous, stop: threading.Event, on_lost: Callable[[str], None]) -> None:
+    """Rank 0's: call on_lost once a worker's counter has not moved for HEARTBEAT_LOST_S."""
+
+    def watch() -> None:
+        try:
+            store = _client(rv)
+            seen = {rank: (-1, time.monotonic()) for rank in range(1, rv.size)}
+            while not stop.wait(HEARTBEAT_S):
+                now = time.monotonic()
+                for rank, (count, at) in seen.items():
+                    current = store.add(f"heartbeat/{rank}", 0)
+                    if current != count:
+                        seen[rank] = (current, now)
+                    elif now - at > HEARTBEAT_LOST_S:
+                        on_lost(
+                            f"tensor-parallel rank {rank} sent no heartbeat for "
+                            f"{HEARTBEAT_LOST_S:g} s"
+                        )
+                        return
+        except Exception as e:  # noqa: BLE001 - the store is this process's own: it is ending
+            if not stop.is_set():
+                on_lost(f"the rendezvous store failed: {e}")
+
+    threading.Thread(target=watch, name="nightshift-heartbeat-watch", daemon=True).start()

@@ -23,7 +23,12 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.distributed.rendezvous import Rendezvous, master_store, send_object
+from engine.distributed.rendezvous import (
+    Rendezvous,
+    master_store,
+    send_object,
+    watch_heartbeats,
+)
 from engine.errors import ExecutorFailedError
 from engine.executor.worker import SHUTDOWN, load_rank, spawned_worker, to_device
 from engine.models.model_config import load_model_config
@@ -45,6 +50,7 @@ class MultiprocExecutor:
         self._closing = False
         self._procs: list[mp.Process] = []
         self._threads_before: int | None = None
+        self._stop_watching = threading.Event()
         self._control = None
         self._tp = None
         env = Rendezvous.from_env()
@@ -59,6 +65,8 @@ class MultiprocExecutor:
                 threading.Thread(
                     target=self._monitor, name="nightshift-tp-monitor", daemon=True
                 ).start()
+            # Kept: the store lives as long as the engine (the heartbeats go through it).
+            self._store = master
             model, self.num_blocks, self._tp, self._control = load_rank(
                 config, placement, rv, master
             )
@@ -69,6 +77,8 @@ class MultiprocExecutor:
             raise
         self.model = model
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self._send_step)
+        # Ranks started elsewhere have no process to watch; a hung one none either.
+        watch_heartbeats(rv, self._stop_watching, self._fail)
         logger.info("tensor parallel: %d ranks (%s)", size, "env://" if env else "local workers")
 
     @staticmethod
@@ -160,6 +170,7 @@ class MultiprocExecutor:
         if self._closing:
             return
         self._closing = True
+        self._stop_watching.set()
         if self._control is not None and self.failure is None:
             try:
                 send_object(self._control, SHUTDOWN)

@@ -7,12 +7,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from dataclasses import replace
 
 import torch
 
 from engine.config import EngineConfig
-from engine.distributed.rendezvous import Rendezvous, join, min_over_ranks, receive_object
+from engine.distributed.rendezvous import (
+    Rendezvous,
+    join,
+    min_over_ranks,
+    receive_object,
+    start_heartbeat,
+)
 from engine.runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
@@ -29,16 +36,24 @@ def rank_device(placement_device: torch.device, local_rank: int) -> torch.device
     return device
 
 
-def load_rank(config: EngineConfig, placement, rv: Rendezvous, master=None):
+def load_rank(
+    config: EngineConfig,
+    placement,
+    rv: Rendezvous,
+    master=None,
+    heartbeat: threading.Event | None = None,
+):
     """Join the group, load this rank's shard and size the KV pool as every rank does: the
     smallest pool any rank can hold is everybody's. Returns (model, runner-ready block count,
-    group, control group)."""
+    group, control group). heartbeat: a worker's liveness beats until it is set."""
     from engine.engine_builder import kv_blocks
     from engine.models.loader import load_model
 
     device = rank_device(placement.device, rv.local_rank)
     placement = replace(placement, device=device)
     tp, control = join(rv, device, master)
+    if heartbeat is not None:  # a worker beats from joining on: loading a shard takes a while
+        start_heartbeat(rv, heartbeat)
     model = load_model(
         placement.model_dir,
         placement.dtype,
@@ -52,7 +67,15 @@ def load_rank(config: EngineConfig, placement, rv: Rendezvous, master=None):
 
 
 def run_worker(config: EngineConfig, placement, rv: Rendezvous, master=None) -> None:
-    model, num_blocks, _, control = load_rank(config, placement, rv, master)
+    stop = threading.Event()
+    try:
+        _serve_steps(config, placement, rv, master, stop)
+    finally:
+        stop.set()  # before rank 0's store goes away: a clean exit, not a lost rank 0
+
+
+def _serve_steps(config: EngineConfig, placement, rv: Rendezvous, master, stop) -> None:
+    model, num_blocks, _, control = load_rank(config, placement, rv, master, heartbeat=stop)
     runner = ModelRunner(model, num_blocks, config.block_size)
     logger.info("tensor-parallel rank %d/%d ready: %d KV blocks", rv.rank, rv.size, num_blocks)
     with torch.inference_mode():

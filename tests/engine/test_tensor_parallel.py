@@ -152,6 +152,23 @@ def test_a_dead_worker_fails_the_engine_at_once(tmp_path):
     assert not worker.is_alive()
 
 
+def test_a_hung_worker_fails_the_engine_by_its_missing_heartbeat(tmp_path):
+    """A rank that stops without exiting (here SIGSTOP; a machine gone without closing its
+    connections looks the same) is declared lost once its heartbeat stops."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    llm = LLM(model=str(path), tensor_parallel_size=2, device="cpu")
+    executor = llm.engine.core.executor
+    os.kill(executor._procs[0].pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while executor.failure is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "sent no heartbeat" in (executor.failure or "")
+    with pytest.raises(ExecutorFailedError, match="heartbeat"):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    llm.shutdown()
+    assert not executor._procs[0].is_alive()
+
+
 def test_shutdown_leaves_no_worker(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m")
     llm = LLM(model=str(path), tensor_parallel_size=2, device="cpu")
@@ -238,6 +255,51 @@ def test_env_rendezvous_joins_ranks_started_apart(tmp_path):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def test_an_env_rank_ends_itself_when_rank_0_is_killed(tmp_path):
+    """Rank 1 of a torchrun-style launch has no parent to die with: once rank 0's store is
+    gone, its heartbeat fails and it exits."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=str(REPO),
+    )
+    nightshift = Path(sys.executable).with_name("nightshift")
+    command = [str(nightshift), "serve", "--model", str(path), "--device", "cpu", "-tp", "2"]
+    port = _free_port()
+    ranks = [
+        subprocess.Popen(
+            command + ["--port", str(port)],
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        else:
+            raise AssertionError("rank 0 did not come up")
+        ranks[0].kill()
+        ranks[0].wait()
+        assert ranks[1].wait(timeout=40) != 0
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def test_prompt_logprobs_and_embeddings_with_two_ranks(tmp_path):
