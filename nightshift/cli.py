@@ -215,6 +215,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
+    from engine.distributed.rendezvous import RendezvousError
     from engine.server.auth import resolve_api_key
     from engine.server.cors import CorsConfig
     from engine.server.limits import RequestLimits
@@ -281,7 +282,7 @@ def serve(
                 pooling_type=pooling_type,
                 trust_request_chat_template=trust_request_chat_template,
             )
-        except EngineDiedError as e:  # a supervisor restarts it: exit 1, one line
+        except (EngineDiedError, RendezvousError) as e:  # a supervisor restarts it: exit 1
             raise fail(str(e), code=1) from None
 
 

@@ -92,17 +92,37 @@ def master_store(size: int) -> dist.TCPStore:
 def join(
     rv: Rendezvous, device: torch.device, master: dist.TCPStore | None = None
 ) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """(the model's group, the control group); returns once every rank has joined."""
-    store = rv.store(master)
-    control = dist.ProcessGroupGloo(
-        dist.PrefixStore("control", store), rv.rank, rv.size, IDLE_TIMEOUT
+    """(the model's group, the control group); returns once every rank has joined (the store's
+    timeout, 10 minutes, bounds the wait for one that never comes)."""
+    logger.info(
+        "tensor-parallel rank %d of %d: waiting for all ranks at %s:%d",
+        rv.rank,
+        rv.size,
+        rv.host,
+        rv.port,
     )
-    model_store = dist.PrefixStore("model", store)
-    if device.type == "cuda":
-        group = dist.ProcessGroupNCCL(model_store, rv.rank, rv.size)
-    else:
-        group = dist.ProcessGroupGloo(model_store, rv.rank, rv.size, MODEL_TIMEOUT)
+    try:
+        store = rv.store(master)
+        control = dist.ProcessGroupGloo(
+            dist.PrefixStore("control", store), rv.rank, rv.size, IDLE_TIMEOUT
+        )
+        model_store = dist.PrefixStore("model", store)
+        if device.type == "cuda":
+            group = dist.ProcessGroupNCCL(model_store, rv.rank, rv.size)
+        else:
+            group = dist.ProcessGroupGloo(model_store, rv.rank, rv.size, MODEL_TIMEOUT)
+    except (RuntimeError, dist.DistError) as e:  # torch's text is a C++ trace: one line here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RendezvousError(
+            f"tensor-parallel rank {rv.rank} of {rv.size}: the ranks did not all meet at "
+            f"{rv.host}:{rv.port} ({first[:300]}); start every rank with the same MASTER_ADDR, "
+            "MASTER_PORT and WORLD_SIZE"
+        ) from None
     return TensorParallel(rv.rank, rv.size, group), control
+
+
+class RendezvousError(RuntimeError):
+    """The ranks of a tensor-parallel group never all joined."""
 
 
 def send_object(control: dist.ProcessGroup, obj: object) -> None:
