@@ -230,7 +230,6 @@ def _batch1_hf(model, prompt: list[int], n: int) -> SideResult:
 
 
 def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
-    from engine import LLM
     from engine.model_fetch import resolve_model
 
     if cfg.threads:
@@ -242,15 +241,7 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         from engine.models.sharding import ShardPlan
 
         ShardPlan(load_model_config(model_dir), 0, cfg.tensor_parallel_size)
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=cfg.max_batch,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=_max_model_len(cfg),
-        seed=cfg.seed,
-    )
+    llm = _engine(cfg, model_dir)
     mcfg = llm.engine.core.executor.model.config
     hf = None
     if not cfg.skip_hf:
@@ -320,6 +311,22 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     return report
 
 
+def _engine(cfg: BenchConfig, model_dir, **options):
+    """The engine side as the benchmark runs it (float32 on the CPU, the workload's limits)."""
+    from engine import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_num_seqs=cfg.max_batch,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=_max_model_len(cfg),
+        seed=cfg.seed,
+        **options,
+    )
+
+
 def _run_tensor_parallel(
     cfg: BenchConfig,
     model_dir,
@@ -330,18 +337,8 @@ def _run_tensor_parallel(
 ) -> dict:
     """The same workload on cfg.tensor_parallel_size ranks (worker processes sharing this
     machine's cores), as a ratio to one rank measured in the same run."""
-    from engine import LLM
-
-    llm = LLM(
-        model=str(model_dir),
-        dtype="float32",
-        device="cpu",
-        max_num_seqs=cfg.max_batch,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_model_len=_max_model_len(cfg),
-        seed=cfg.seed,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        num_threads=cfg.threads,
+    llm = _engine(
+        cfg, model_dir, tensor_parallel_size=cfg.tensor_parallel_size, num_threads=cfg.threads
     )
     try:
         warm = make_workload(cfg, llm.engine.core.vocab_size, n=2)

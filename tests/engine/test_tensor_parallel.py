@@ -214,6 +214,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rendezvous_env() -> dict:
+    """torchrun's variables for two ranks on loopback (RANK is each process's own)."""
+    return dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE="2",
+        PYTHONPATH=str(REPO),
+    )
+
+
 def test_env_rendezvous_joins_ranks_started_apart(tmp_path):
     """torchrun's variables: rank 0 runs the engine (here the offline API), rank 1 is
     `nightshift serve` on the same variables, a worker that runs rank 0's steps and exits
@@ -221,13 +232,7 @@ def test_env_rendezvous_joins_ranks_started_apart(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m")
     script = tmp_path / "rank0.py"
     script.write_text(RANK_SCRIPT)
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE="2",
-        PYTHONPATH=str(REPO),
-    )
+    env = _rendezvous_env()
     nightshift = Path(sys.executable).with_name("nightshift")
     worker = subprocess.Popen(
         [str(nightshift), "serve", "--model", str(path), "--device", "cpu", "-tp", "2"],
@@ -261,13 +266,7 @@ def test_an_env_rank_ends_itself_when_rank_0_is_killed(tmp_path):
     """Rank 1 of a torchrun-style launch has no parent to die with: once rank 0's store is
     gone, its heartbeat fails and it exits."""
     path = build_tiny_model("llama", tmp_path / "m")
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE="2",
-        PYTHONPATH=str(REPO),
-    )
+    env = _rendezvous_env()
     nightshift = Path(sys.executable).with_name("nightshift")
     command = [str(nightshift), "serve", "--model", str(path), "--device", "cpu", "-tp", "2"]
     port = _free_port()
