@@ -41,7 +41,7 @@ def serve_command(plan: GpuPlan, settings: PlanSettings, model_name: str) -> Ser
         )
     if settings.kv_cache_dtype is not None and settings.kv_cache_dtype != dtype:
         caveats.append(
-            f"a {settings.kv_cache_dtype} KV cache: the engine keeps K/V in the compute dtype"
+            f"KV cache in {settings.kv_cache_dtype}: the engine keeps K/V in the compute dtype"
         )
     args += [
         "--block-size",

@@ -423,7 +423,9 @@ def _median_side(results: list[SideResult]) -> dict[str, float]:
 
 
 def _max_model_len(cfg: BenchConfig) -> int:
-    longest = max(cfg.input_range[1] + cfg.output_range[1], cfg.batch1_prompt + cfg.batch1_output)
+    longest = cfg.input_range[1] + cfg.output_range[1]
+    if not cfg.skip_batch1:
+        longest = max(longest, cfg.batch1_prompt + cfg.batch1_output)
     return longest + 16
 
 

@@ -63,7 +63,7 @@ def test_a_plan_the_engine_cannot_run_yet_says_why():
     command = serve_command(plan, settings, spec.name)
     assert "--dtype" not in command.args and "--tensor-parallel-size" not in command.args
     assert any("fp8 weights" in c for c in command.caveats)
-    assert any("fp8 KV cache" in c for c in command.caveats)
+    assert any("KV cache in fp8" in c for c in command.caveats)
     _parsed(command.args)
 
 
