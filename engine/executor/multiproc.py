@@ -182,6 +182,9 @@ class MultiprocExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        self._abort_groups()
+        if self.failure is not None or any(p.exitcode != 0 for p in self._procs):
+            # Only a broken group is aborted: aborting a healthy one left gloo's threads to be
+            # torn down at exit, which once ended a clean run with std::terminate (exit -6).
+            self._abort_groups()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
