@@ -282,11 +282,13 @@ class AsyncEngine:
         server calls it from a timer when its grace period after SIGTERM runs out)."""
         self._inbox.put(_FailAll(message))
 
-    def shutdown(self, timeout: float | None = 10.0) -> None:
-        """Stop the loop thread (requests still running are aborted)."""
+    def shutdown(self, timeout: float | None = 10.0) -> bool:
+        """Stop the loop thread (requests still running are aborted); whether it has stopped
+        within timeout seconds."""
         self._stopping = True
         self._inbox.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -320,6 +322,11 @@ class AsyncEngine:
         self.failure = reason
         self._stopping = True
         self._inbox.put(None)
+        # Told now, not when the engine thread gets there: it may be waiting in a collective
+        # with a rank that stopped answering. (The loop tells them again as it ends; a stream
+        # ends at its first error, so nobody hears it twice.)
+        for stream in list(self._streams.values()):
+            stream.put(RequestFailedError(f"the engine failed: {reason}"))
         for callback in list(self.on_failure):
             callback(reason)
 

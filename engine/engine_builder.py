@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig
 from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
-from engine.distributed.rendezvous import Rendezvous
+from engine.distributed.rendezvous import Rendezvous, env_rendezvous, join_timeout
 from engine.engine_core import EngineCore
 from engine.executor import Executor
 from engine.executor.uniproc import UniprocExecutor
@@ -119,17 +119,14 @@ def run_tensor_parallel_worker(config: EngineConfig, rv: Rendezvous) -> None:
     from engine.executor.worker import run_worker
     from engine.model_fetch import resolve_model
 
-    if rv.size != config.tensor_parallel_size:
-        raise ValueError(
-            f"WORLD_SIZE {rv.size} differs from tensor_parallel_size {config.tensor_parallel_size}"
-        )
     model_dir = resolve_model(config.model)
     placement = place(config, model_dir, load_model_config(model_dir))
     logger.info("tensor-parallel rank %d of %d: joining %s:%d", rv.rank, rv.size, rv.host, rv.port)
-    run_worker(config, placement, rv)
+    run_worker(config, placement, rv, join_timeout())
 
 
 def build_executor(config: EngineConfig, placement: Placement) -> Executor:
+    env_rendezvous(config.tensor_parallel_size)  # WORLD_SIZE=2 with one rank: refused
     if config.tensor_parallel_size > 1:
         from engine.executor.multiproc import MultiprocExecutor
 

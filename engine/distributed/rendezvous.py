@@ -33,6 +33,13 @@ IDLE_TIMEOUT = timedelta(days=365)
 # without closing its connections), and a worker that cannot reach the store ends itself.
 HEARTBEAT_S = 1.0
 HEARTBEAT_LOST_S = 10.0
+# How long ranks wait for each other at the start. Workers this process starts join within
+# seconds (before they load weights); the ranks of an env:// launch get torchrun's default
+# rendezvous timeout, or the environment's.
+LOCAL_JOIN_TIMEOUT_S = 120.0
+JOIN_TIMEOUT_S = 600.0
+JOIN_TIMEOUT_ENV = "NIGHTSHIFT_TP_JOIN_TIMEOUT"
+JOIN_LOG_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -66,34 +73,91 @@ class Rendezvous:
             ) from None
         if not 0 <= rank < size:
             raise ValueError(f"env:// rendezvous: RANK {rank} is outside WORLD_SIZE {size}")
+        if not 0 < port < 65536:
+            raise ValueError(f"env:// rendezvous: MASTER_PORT {port} is not a TCP port")
         return cls(values["MASTER_ADDR"], port, rank, size, local_rank)
 
-    def store(self, master: dist.TCPStore | None = None) -> dist.Store:
-        if master is not None:
-            return master
-        return dist.TCPStore(
-            self.host,
-            self.port,
-            self.size,
-            is_master=self.rank == 0,
-            timeout=timedelta(minutes=10),
-            wait_for_workers=False,
+    def store(self, timeout: float) -> dist.TCPStore:
+        """Rank 0 hosts the store (a port it cannot take is an OSError naming it); the others
+        connect to it, retrying for up to timeout seconds while rank 0 starts."""
+        where = f"{self.host}:{self.port}"
+        try:
+            return dist.TCPStore(
+                self.host,
+                self.port,
+                self.size,
+                is_master=self.rank == 0,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, dist.DistError) as e:
+            if self.rank == 0:
+                raise OSError(
+                    f"tensor-parallel rank 0 cannot listen on MASTER_PORT {self.port} "
+                    f"({_first_line(e)}): choose a free port, other than the server's --port"
+                ) from None
+            raise RendezvousError(
+                f"tensor-parallel rank {self.rank} of {self.size}: rank 0 did not answer at "
+                f"{where} within {timeout:g} s ({_first_line(e)}); start rank 0 with the same "
+                "MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
+            ) from None
+
+
+def env_rendezvous(tensor_parallel_size: int) -> Rendezvous | None:
+    """The env:// rendezvous this process is a rank of, if any (None for a one-rank launch);
+    a WORLD_SIZE that is not the tensor-parallel size is refused rather than ignored."""
+    env = Rendezvous.from_env()
+    if env is None or (env.size == 1 and tensor_parallel_size == 1):
+        return None
+    if env.size != tensor_parallel_size:
+        raise ValueError(
+            f"WORLD_SIZE is {env.size} (a torchrun-style launch of {env.size} ranks) but "
+            f"tensor_parallel_size is {tensor_parallel_size}: each rank of the env:// "
+            f"rendezvous is one tensor-parallel rank; pass --tensor-parallel-size {env.size} "
+            "to every rank, or unset WORLD_SIZE"
         )
+    return env
+
+
+def join_timeout() -> float:
+    """Seconds the ranks of an env:// launch wait for each other (torchrun's default
+    rendezvous timeout); ranks started by hand on several machines may need longer."""
+    raw = os.environ.get(JOIN_TIMEOUT_ENV, "")
+    if not raw:
+        return JOIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{JOIN_TIMEOUT_ENV} must be a number of seconds > 0, got {raw!r}")
+    return value
 
 
 def master_store(size: int) -> dist.TCPStore:
-    """A store on a free loopback port, for workers this process starts itself: they join within
-    seconds of starting (before loading weights), so a short wait bounds a failed start."""
+    """A store on a free loopback port, for workers this process starts itself."""
     return dist.TCPStore(
-        "127.0.0.1", 0, size, is_master=True, timeout=timedelta(minutes=2), wait_for_workers=False
+        "127.0.0.1",
+        0,
+        size,
+        is_master=True,
+        timeout=timedelta(seconds=LOCAL_JOIN_TIMEOUT_S),
+        wait_for_workers=False,
     )
 
 
 def join(
-    rv: Rendezvous, device: torch.device, master: dist.TCPStore | None = None
+    rv: Rendezvous,
+    device: torch.device,
+    master: dist.TCPStore | None = None,
+    *,
+    timeout: float,
+    failed: Callable[[], str | None] = lambda: None,
 ) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """(the model's group, the control group); returns once every rank has joined (the store's
-    timeout, 10 minutes, bounds the wait for one that never comes)."""
+    """(the model's group, the control group), once every rank has joined. Waits at most
+    timeout seconds, and gives up at once when failed() names a reason (a worker this process
+    started has exited): a rank that never comes must not leave the others waiting inside
+    gloo's constructor, which nothing can interrupt."""
     logger.info(
         "tensor-parallel rank %d of %d: waiting for all ranks at %s:%d",
         rv.rank,
@@ -101,24 +165,78 @@ def join(
         rv.host,
         rv.port,
     )
+    deadline = time.monotonic() + timeout
+    store = master if master is not None else rv.store(timeout)
+    _check_in(rv, store, deadline, timeout, failed)
     try:
-        store = rv.store(master)
-        control = dist.ProcessGroupGloo(
-            dist.PrefixStore("control", store), rv.rank, rv.size, IDLE_TIMEOUT
-        )
+        # Created with what is left of the join's time (gloo connects every pair in its
+        # constructor), then given their working timeouts.
+        left = timedelta(seconds=max(10.0, deadline - time.monotonic()))
+        control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rv.rank, rv.size, left)
+        control.set_timeout(IDLE_TIMEOUT)
         model_store = dist.PrefixStore("model", store)
         if device.type == "cuda":
             group = dist.ProcessGroupNCCL(model_store, rv.rank, rv.size)
         else:
-            group = dist.ProcessGroupGloo(model_store, rv.rank, rv.size, MODEL_TIMEOUT)
+            group = dist.ProcessGroupGloo(model_store, rv.rank, rv.size, left)
+            group.set_timeout(MODEL_TIMEOUT)
     except (RuntimeError, dist.DistError) as e:  # torch's text is a C++ trace: one line here
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise RendezvousError(
             f"tensor-parallel rank {rv.rank} of {rv.size}: the ranks did not all meet at "
-            f"{rv.host}:{rv.port} ({first[:300]}); start every rank with the same MASTER_ADDR, "
-            "MASTER_PORT and WORLD_SIZE"
+            f"{rv.host}:{rv.port} ({_first_line(e)}); start every rank with the same "
+            "MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
         ) from None
     return TensorParallel(rv.rank, rv.size, group), control
+
+
+def _check_in(
+    rv: Rendezvous,
+    store: dist.Store,
+    deadline: float,
+    timeout: float,
+    failed: Callable[[], str | None],
+) -> None:
+    """Each rank marks itself joined, then waits until every rank has."""
+    joined = dist.PrefixStore("joined", store)
+    keys = [str(rank) for rank in range(rv.size)]
+    next_log = time.monotonic() + JOIN_LOG_S
+    try:
+        joined.set(keys[rv.rank], "1")
+        while True:
+            missing = [rank for rank, key in enumerate(keys) if not joined.check([key])]
+            if not missing:
+                return
+            reason = failed()
+            if reason is not None:
+                raise RendezvousError(reason)
+            now = time.monotonic()
+            if now > deadline:
+                raise RendezvousError(
+                    f"tensor-parallel rank {rv.rank} of {rv.size}: {_ranks(missing)} did not "
+                    f"join at {rv.host}:{rv.port} within {timeout:g} s; start every rank with "
+                    f"the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE ({JOIN_TIMEOUT_ENV} "
+                    "sets the wait)"
+                )
+            if now > next_log:
+                logger.info("tensor-parallel rank %d: waiting for %s", rv.rank, _ranks(missing))
+                next_log = now + JOIN_LOG_S
+            time.sleep(0.05)
+    except RendezvousError:
+        raise
+    except (RuntimeError, dist.DistError) as e:  # the store went away: rank 0 is gone
+        raise RendezvousError(
+            f"tensor-parallel rank {rv.rank} of {rv.size}: rank 0's store at "
+            f"{rv.host}:{rv.port} went away while the ranks were joining ({_first_line(e)})"
+        ) from None
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 class RendezvousError(RuntimeError):

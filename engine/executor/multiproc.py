@@ -24,7 +24,10 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
 from engine.distributed.rendezvous import (
+    LOCAL_JOIN_TIMEOUT_S,
     Rendezvous,
+    env_rendezvous,
+    join_timeout,
     master_store,
     send_object,
     watch_heartbeats,
@@ -53,11 +56,12 @@ class MultiprocExecutor:
         self._stop_watching = threading.Event()
         self._control = None
         self._tp = None
-        env = Rendezvous.from_env()
+        env = env_rendezvous(size)
         try:
             if env is not None:
-                rv, master = self._env_rank0(env, size), None
+                rv, master, timeout = self._env_rank0(env), None, join_timeout()
             else:
+                timeout = LOCAL_JOIN_TIMEOUT_S
                 master = master_store(size)
                 rv = Rendezvous("127.0.0.1", master.port, 0, size, 0)
                 self._start_workers(config, placement, rv)
@@ -68,7 +72,7 @@ class MultiprocExecutor:
             # Kept: the store lives as long as the engine (the heartbeats go through it).
             self._store = master
             model, self.num_blocks, self._tp, self._control = load_rank(
-                config, placement, rv, master
+                config, placement, rv, master, join_timeout=timeout, failed=lambda: self.failure
             )
         except BaseException as e:
             self.shutdown()
@@ -82,12 +86,7 @@ class MultiprocExecutor:
         logger.info("tensor parallel: %d ranks (%s)", size, "env://" if env else "local workers")
 
     @staticmethod
-    def _env_rank0(env: Rendezvous, size: int) -> Rendezvous:
-        if env.size != size:
-            raise ValueError(
-                f"WORLD_SIZE {env.size} differs from tensor_parallel_size {size}: each rank of "
-                "the env:// rendezvous is one tensor-parallel rank"
-            )
+    def _env_rank0(env: Rendezvous) -> Rendezvous:
         if env.rank != 0:
             raise ValueError(
                 f"RANK {env.rank} is a tensor-parallel worker, not an engine: start it with "
@@ -151,6 +150,12 @@ class MultiprocExecutor:
             return
         self.failure = reason
         logger.error("engine failed: %s", reason)
+        # The other workers can compute nothing more either. Killing them also unblocks a
+        # collective this process waits in (a closed connection fails it at once; aborting the
+        # group does not), so a hung worker fails the requests in flight within seconds.
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
         self._abort_groups()
         for callback in list(self.on_failure):
             try:

@@ -8,12 +8,14 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from engine.config import EngineConfig
 from engine.distributed.rendezvous import (
+    LOCAL_JOIN_TIMEOUT_S,
     Rendezvous,
     join,
     min_over_ranks,
@@ -41,17 +43,21 @@ def load_rank(
     placement,
     rv: Rendezvous,
     master=None,
+    *,
+    join_timeout: float,
+    failed: Callable[[], str | None] = lambda: None,
     heartbeat: threading.Event | None = None,
 ):
     """Join the group, load this rank's shard and size the KV pool as every rank does: the
     smallest pool any rank can hold is everybody's. Returns (model, runner-ready block count,
-    group, control group). heartbeat: a worker's liveness beats until it is set."""
+    group, control group). join_timeout, failed: as join(). heartbeat: a worker's liveness
+    beats until it is set."""
     from engine.engine_builder import kv_blocks
     from engine.models.loader import load_model
 
     device = rank_device(placement.device, rv.local_rank)
     placement = replace(placement, device=device)
-    tp, control = join(rv, device, master)
+    tp, control = join(rv, device, master, timeout=join_timeout, failed=failed)
     if heartbeat is not None:  # a worker beats from joining on: loading a shard takes a while
         start_heartbeat(rv, heartbeat)
     model = load_model(
@@ -66,16 +72,20 @@ def load_rank(
     return model, min_over_ranks(control, blocks), tp, control
 
 
-def run_worker(config: EngineConfig, placement, rv: Rendezvous, master=None) -> None:
+def run_worker(config: EngineConfig, placement, rv: Rendezvous, join_timeout: float) -> None:
     stop = threading.Event()
     try:
-        _serve_steps(config, placement, rv, master, stop)
+        _serve_steps(config, placement, rv, join_timeout, stop)
     finally:
         stop.set()  # before rank 0's store goes away: a clean exit, not a lost rank 0
 
 
-def _serve_steps(config: EngineConfig, placement, rv: Rendezvous, master, stop) -> None:
-    model, num_blocks, _, control = load_rank(config, placement, rv, master, heartbeat=stop)
+def _serve_steps(
+    config: EngineConfig, placement, rv: Rendezvous, join_timeout: float, stop: threading.Event
+) -> None:
+    model, num_blocks, _, control = load_rank(
+        config, placement, rv, join_timeout=join_timeout, heartbeat=stop
+    )
     runner = ModelRunner(model, num_blocks, config.block_size)
     logger.info("tensor-parallel rank %d/%d ready: %d KV blocks", rv.rank, rv.size, num_blocks)
     with torch.inference_mode():
@@ -112,7 +122,7 @@ def spawned_worker(config: EngineConfig, placement, rv: Rendezvous, threads: int
     )
     torch.set_num_threads(threads)
     try:
-        run_worker(config, placement, rv)
+        run_worker(config, placement, rv, LOCAL_JOIN_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - the exit code tells rank 0; the log says why
         logger.exception("tensor-parallel rank %d failed", rv.rank)
         sys.stderr.flush()

@@ -220,6 +220,14 @@ def serve_data_parallel(
     """Runs until SIGTERM/SIGINT. engine_args: `nightshift serve` options for every engine
     (no --host, --port, --data-parallel-size, nor the API key, which goes by environment).
     router_options: RouterConfig fields other than the backends (the policy, ...)."""
+    if "WORLD_SIZE" in os.environ:
+        raise DataParallelError(
+            f"--data-parallel-size starts its {size} engines on this machine itself, but "
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set (a torchrun-style launch): every "
+            "engine would take the same ranks. Unset MASTER_ADDR, MASTER_PORT, RANK and "
+            "WORLD_SIZE, or launch each replica's ranks yourself and put `nightshift router` "
+            "in front of them"
+        )
     check_router_bind(host, api_key, allow_unauthenticated)
     sock = listen(host, port)  # first: a port in use fails before any engine starts
     try:

@@ -58,8 +58,9 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        # Stopped while the event loop still runs, so requests still open get their error.
-        await asyncio.to_thread(engine.shutdown)
+        # Stopped while the event loop still runs, so requests still open get their error. A
+        # dead engine's thread may be stuck in a collective: not waited for long.
+        await asyncio.to_thread(engine.shutdown, 10.0 if engine.failure is None else 1.0)
 
     app = FastAPI(title="Nightshift", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)

@@ -6,8 +6,10 @@ import contextlib
 import json
 import logging
 import math
+import os
 import signal
 import socket
+import sys
 import threading
 
 import h11
@@ -16,7 +18,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.distributed.rendezvous import Rendezvous
+from engine.distributed.rendezvous import env_rendezvous
 from engine.engine_builder import run_tensor_parallel_worker
 from engine.server.app import create_app
 from engine.server.auth import API_KEY_ENV, is_loopback
@@ -132,7 +134,12 @@ def serve(
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
     if not (math.isfinite(grace_period) and grace_period >= 0):
         raise ValueError(f"--grace-period must be a number of seconds >= 0, got {grace_period}")
-    rank = Rendezvous.from_env() if config.tensor_parallel_size > 1 else None
+    rank = env_rendezvous(config.tensor_parallel_size)
+    if rank is not None and rank.rank == 0 and rank.port == port:
+        raise ValueError(
+            f"MASTER_PORT {port} is also --port: the ranks' rendezvous and the server need a "
+            "port each"
+        )
     if rank is not None and rank.rank > 0:
         # The same command on every rank of a torchrun-style launch: rank 0 serves, the
         # others hold their shards and compute its steps until it stops.
@@ -186,8 +193,16 @@ def serve(
         if engine.failure is not None:
             raise EngineDiedError(f"the engine failed: {engine.failure}")
     finally:
-        engine.shutdown()
+        stopped = engine.shutdown(2.0 if engine.failure is not None else 10.0)
         sock.close()
+        if engine.failure is not None and not stopped:
+            # The engine thread waits in a collective with a rank that stopped answering, which
+            # nothing interrupts before the collective's timeout (minutes): exit now, as vLLM
+            # does when its engine dies. The requests in flight have had their errors.
+            sys.stderr.write(f"error: the engine failed: {engine.failure}\n")
+            sys.stderr.flush()
+            logging.shutdown()
+            os._exit(1)
         # The process ends next. Python puts its own handlers back to the default action while
         # it finalizes (torch's teardown takes a while), so a late second SIGTERM would still
         # kill it (exit 143); ignored signals stay ignored through that.

@@ -169,6 +169,44 @@ def test_a_hung_worker_fails_the_engine_by_its_missing_heartbeat(tmp_path):
     assert not executor._procs[0].is_alive()
 
 
+def test_a_worker_that_dies_before_joining_fails_the_build_at_once(tmp_path):
+    """A script that builds the engine at its top level (no `__main__` guard) makes each
+    spawned worker build it again: the worker refuses and exits before it joins. Rank 0 must
+    not wait for it inside gloo's constructor, which nothing can interrupt."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"from engine import LLM\nLLM(model={str(path)!r}, tensor_parallel_size=2, device='cpu')\n"
+    )
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 1
+    assert 'build it under `if __name__ == "__main__":`' in result.stderr
+    assert "ExecutorFailedError: tensor-parallel worker nightshift-tp-rank1 exited" in (
+        result.stderr
+    )
+    assert time.monotonic() - start < 60
+
+
+def test_a_world_size_that_is_not_the_split_is_refused(tmp_path, monkeypatch):
+    path = build_tiny_model("llama", tmp_path / "m")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE is 2 .* but tensor_parallel_size is 1"):
+        LLM(model=str(path), device="cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun with one process: one rank, fine
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    assert LLM(model=str(path), device="cpu").generate([[5, 6]], SamplingParams(max_tokens=1))
+
+
 def test_shutdown_leaves_no_worker(tmp_path):
     path = build_tiny_model("llama", tmp_path / "m")
     llm = LLM(model=str(path), tensor_parallel_size=2, device="cpu")
