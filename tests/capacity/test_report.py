@@ -109,6 +109,30 @@ def test_report_files_label_every_figure(tmp_path):
     assert "RTX 4090: torch: total capacity 23.52 GiB" in md and "23.52" in html
     assert "cloud API" in md and len(report.scaling["RTX 4090"]) == 5
     assert all(not math.isnan(m) for _, m in report.scaling["H100-SXM"])
+    _check_tables(md)
+
+
+def _check_tables(md: str) -> None:
+    """Every Markdown table row has its header's number of cells (a renderer drops a row
+    or a column otherwise)."""
+    width = None
+    for number, line in enumerate(md.splitlines(), 1):
+        if not line.startswith("|"):
+            width = None
+            continue
+        cells = line.replace("\\|", "").count("|") - 1
+        width = cells if width is None else width
+        assert cells == width, (number, line)
+
+
+def test_every_report_table_is_well_formed(tmp_path):
+    """Tables with plans that fit and one that does not (its row is mostly empty cells)."""
+    spec = load_model_spec("Llama-3.1-70B")
+    settings = PlanSettings(max_num_seqs=16, max_num_batched_tokens=1024, api_price_in=0.1)
+    report = build_report(spec, _trace(4), "t", [find_gpu("H100")], [1, 2], settings)
+    assert report.plans[0].memory is None and report.plans[1].memory is not None
+    render(report, tmp_path / "plan.html")
+    _check_tables((tmp_path / "plan.md").read_text())
 
 
 def test_report_command(tmp_path):
