@@ -153,8 +153,8 @@ def join(
     *,
     timeout: float,
     failed: Callable[[], str | None] = lambda: None,
-) -> tuple[TensorParallel, dist.ProcessGroup]:
-    """(the model's group, the control group), once every rank has joined. Waits at most
+) -> tuple[TensorParallel, dist.ProcessGroup, dist.Store]:
+    """(the model's group, the control group, the store), once every rank has joined. Waits at most
     timeout seconds, and gives up at once when failed() names a reason (a worker this process
     started has exited): a rank that never comes must not leave the others waiting inside
     gloo's constructor, which nothing can interrupt."""
@@ -186,7 +186,32 @@ def join(
             f"{rv.host}:{rv.port} ({_first_line(e)}); start every rank with the same "
             "MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
         ) from None
-    return TensorParallel(rv.rank, rv.size, group), control
+    return TensorParallel(rv.rank, rv.size, group), control, store
+
+
+def min_over_ranks(
+    rv: Rendezvous, store: dist.Store, value: int, failed: Callable[[], str | None]
+) -> int:
+    """The smallest value any rank offers (each rank's KV pool, once it has loaded its shard),
+    through the store rather than a collective: rank 0 gives up as soon as failed() names a
+    rank lost while loading, where a collective would wait for it."""
+    offers = dist.PrefixStore("min", store)
+    keys = [str(rank) for rank in range(rv.size)]
+    try:
+        offers.set(keys[rv.rank], str(value))
+        while not offers.check(keys):
+            reason = failed()
+            if reason is not None:
+                raise RendezvousError(reason)
+            time.sleep(0.05)
+        return min(int(offers.get(key)) for key in keys)
+    except RendezvousError:
+        raise
+    except (RuntimeError, dist.DistError) as e:  # the store went away: rank 0 is gone
+        raise RendezvousError(
+            f"tensor-parallel rank {rv.rank} of {rv.size}: rank 0's store at "
+            f"{rv.host}:{rv.port} went away while the ranks loaded ({_first_line(e)})"
+        ) from None
 
 
 def _check_in(
@@ -258,14 +283,6 @@ def receive_object(control: dist.ProcessGroup) -> object:
     data = torch.empty(int(length.item()), dtype=torch.uint8)
     control.broadcast([data]).wait()
     return pickle.loads(data.numpy().tobytes())
-
-
-def min_over_ranks(control: dist.ProcessGroup, value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    control.allreduce([t], opts).wait()
-    return int(t.item())
 
 
 def _client(rv: Rendezvous) -> dist.TCPStore:

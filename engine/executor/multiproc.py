@@ -72,7 +72,15 @@ class MultiprocExecutor:
             # Kept: the store lives as long as the engine (the heartbeats go through it).
             self._store = master
             model, self.num_blocks, self._tp, self._control = load_rank(
-                config, placement, rv, master, join_timeout=timeout, failed=lambda: self.failure
+                config,
+                placement,
+                rv,
+                master,
+                join_timeout=timeout,
+                # Ranks started elsewhere have no process to watch, and a hung one none either:
+                # their heartbeats are watched from the moment they have joined.
+                liveness=lambda: watch_heartbeats(rv, self._stop_watching, self._fail),
+                failed=lambda: self.failure,
             )
         except BaseException as e:
             self.shutdown()
@@ -81,8 +89,6 @@ class MultiprocExecutor:
             raise
         self.model = model
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self._send_step)
-        # Ranks started elsewhere have no process to watch; a hung one none either.
-        watch_heartbeats(rv, self._stop_watching, self._fail)
         logger.info("tensor parallel: %d ranks (%s)", size, "env://" if env else "local workers")
 
     @staticmethod

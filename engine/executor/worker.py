@@ -45,21 +45,21 @@ def load_rank(
     master=None,
     *,
     join_timeout: float,
+    liveness: Callable[[], None],
     failed: Callable[[], str | None] = lambda: None,
-    heartbeat: threading.Event | None = None,
 ):
     """Join the group, load this rank's shard and size the KV pool as every rank does: the
     smallest pool any rank can hold is everybody's. Returns (model, runner-ready block count,
-    group, control group). join_timeout, failed: as join(). heartbeat: a worker's liveness
-    beats until it is set."""
+    group, control group). join_timeout, failed: as join(). liveness: called once the ranks
+    have met, before the shards load (which takes a while): a worker's heartbeat starts, rank
+    0's watch of them."""
     from engine.engine_builder import kv_blocks
     from engine.models.loader import load_model
 
     device = rank_device(placement.device, rv.local_rank)
     placement = replace(placement, device=device)
-    tp, control = join(rv, device, master, timeout=join_timeout, failed=failed)
-    if heartbeat is not None:  # a worker beats from joining on: loading a shard takes a while
-        start_heartbeat(rv, heartbeat)
+    tp, control, store = join(rv, device, master, timeout=join_timeout, failed=failed)
+    liveness()
     model = load_model(
         placement.model_dir,
         placement.dtype,
@@ -69,7 +69,7 @@ def load_rank(
         tp,
     )
     blocks, _ = kv_blocks(config, model, placement)
-    return model, min_over_ranks(control, blocks), tp, control
+    return model, min_over_ranks(rv, store, blocks, failed), tp, control
 
 
 def run_worker(config: EngineConfig, placement, rv: Rendezvous, join_timeout: float) -> None:
@@ -84,7 +84,11 @@ def _serve_steps(
     config: EngineConfig, placement, rv: Rendezvous, join_timeout: float, stop: threading.Event
 ) -> None:
     model, num_blocks, _, control = load_rank(
-        config, placement, rv, join_timeout=join_timeout, heartbeat=stop
+        config,
+        placement,
+        rv,
+        join_timeout=join_timeout,
+        liveness=lambda: start_heartbeat(rv, stop),
     )
     runner = ModelRunner(model, num_blocks, config.block_size)
     logger.info("tensor-parallel rank %d/%d ready: %d KV blocks", rv.rank, rv.size, num_blocks)

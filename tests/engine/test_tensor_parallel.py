@@ -339,6 +339,57 @@ def test_an_env_rank_ends_itself_when_rank_0_is_killed(tmp_path):
                 p.wait()
 
 
+SILENT_RANK = textwrap.dedent(
+    """
+    import time, torch
+    from engine.distributed.rendezvous import Rendezvous, join
+    join(Rendezvous.from_env(), torch.device("cpu"), timeout=60)
+    time.sleep(60)  # joined, then gone quiet: no heartbeat, no shard, no KV pool offered
+    """
+)
+
+BUILD_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from engine import LLM
+    if __name__ == "__main__":
+        try:
+            LLM(model=sys.argv[1], tensor_parallel_size=2, device="cpu")
+        except Exception as e:
+            print(f"{type(e).__name__}: {e}")
+            sys.exit(3)
+    """
+)
+
+
+def test_a_rank_lost_while_the_shards_load_fails_the_build(tmp_path):
+    """A rank on another machine that joins and then vanishes before it has loaded (no
+    closed connection to notice): rank 0 must not wait for its KV pool size forever; its
+    missing heartbeat ends the build."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    (tmp_path / "silent.py").write_text(SILENT_RANK)
+    (tmp_path / "build.py").write_text(BUILD_SCRIPT)
+    env = _rendezvous_env()
+    silent = subprocess.Popen(
+        [sys.executable, str(tmp_path / "silent.py")], env=dict(env, RANK="1")
+    )
+    try:
+        start = time.monotonic()
+        rank0 = subprocess.run(
+            [sys.executable, str(tmp_path / "build.py"), str(path)],
+            env=dict(env, RANK="0"),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert rank0.returncode == 3, rank0.stderr[-2000:]
+        assert "ExecutorFailedError: tensor-parallel rank 1 sent no heartbeat" in rank0.stdout
+        assert time.monotonic() - start < 45
+    finally:
+        silent.kill()
+        silent.wait()
+
+
 def test_prompt_logprobs_and_embeddings_with_two_ranks(tmp_path):
     """Rows beyond the sampled ones (prompt logprobs) go through the split LM head on every
     rank; pooled hidden states come from rank 0's (replicated) hidden states."""
