@@ -27,10 +27,12 @@ class LLM:
         config = EngineConfig(model=str(model), **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        self._shut_down = False
 
     def shutdown(self) -> None:
         """Stop what the engine started (tensor-parallel worker processes); idempotent. The
-        workers also end with this process."""
+        workers also end with this process. Nothing can be generated afterwards."""
+        self._shut_down = True
         self.engine.core.shutdown()
 
     def spec_decode_stats(self) -> dict:
@@ -83,6 +85,8 @@ class LLM:
         priority: Sequence[int] | None = None,
         pooling: PoolingParams | None = None,
     ) -> list[RequestOutput]:
+        if self._shut_down:
+            raise RuntimeError("this LLM has been shut down (LLM.shutdown()): make a new one")
         params = _per_prompt(sampling_params, len(prompts))
         ids: list[str] = []
         try:

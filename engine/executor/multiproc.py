@@ -141,6 +141,8 @@ class MultiprocExecutor:
     def check_health(self) -> None:
         if self.failure is not None:
             raise ExecutorFailedError(self.failure)
+        if self._closing:
+            raise ExecutorFailedError("the tensor-parallel engine has been shut down")
 
     def _monitor(self) -> None:
         sentinels = {p.sentinel: p for p in self._procs}

@@ -215,6 +215,10 @@ def test_shutdown_leaves_no_worker(tmp_path):
     llm.shutdown()
     assert not any(w.is_alive() for w in workers)
     llm.shutdown()  # idempotent
+    with pytest.raises(RuntimeError, match="this LLM has been shut down"):
+        llm.generate([[5, 6]], SamplingParams(max_tokens=1))
+    with pytest.raises(ExecutorFailedError, match="has been shut down"):
+        llm.engine.core.executor.execute(None)
 
 
 def test_a_split_that_does_not_divide_is_refused_before_anything_starts(tmp_path):
