@@ -236,8 +236,10 @@ def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model(cfg.model)
+    from engine.models.model_config import load_model_config
+
+    _check_lengths(cfg, load_model_config(model_dir).max_position_embeddings)
     if cfg.tensor_parallel_size > 1:  # a split the model's heads do not allow fails first
-        from engine.models.model_config import load_model_config
         from engine.models.sharding import ShardPlan
 
         ShardPlan(load_model_config(model_dir), 0, cfg.tensor_parallel_size)
@@ -420,6 +422,23 @@ def _median_side(results: list[SideResult]) -> dict[str, float]:
         "decode_tokens_per_s": statistics.median(r.extra["decode_tokens_per_s"] for r in results),
         "ttft_s": statistics.median(r.extra["ttft_s"] for r in results),
     }
+
+
+def _check_lengths(cfg: BenchConfig, limit: int) -> None:
+    """Each case within the model's context, or the option that changes it is named."""
+    mixed = cfg.input_range[1] + cfg.output_range[1]
+    if mixed + 16 > limit:
+        raise ValueError(
+            f"the mixed workload's longest request ({cfg.input_range[1]} + "
+            f"{cfg.output_range[1]} tokens) does not fit the model's {limit}-token context: "
+            "lower --input-max or --output-max"
+        )
+    batch1 = cfg.batch1_prompt + cfg.batch1_output
+    if not cfg.skip_batch1 and batch1 + 16 > limit:
+        raise ValueError(
+            f"the batch-1 case ({cfg.batch1_prompt}-token prompt + {cfg.batch1_output} output "
+            f"tokens) does not fit the model's {limit}-token context: pass --skip-batch1"
+        )
 
 
 def _max_model_len(cfg: BenchConfig) -> int:

@@ -49,3 +49,16 @@ def test_bench_runs_both_sides(tmp_path):
     assert 0 < mixed["engine_flop_roofline_fraction"]
     assert len(report["batch1"]["runs"]["engine"]) == 2 == len(report["batch1"]["runs"]["hf"])
     assert any("engine / hf" in line for line in lines)
+
+
+def test_a_case_longer_than_the_models_context_names_its_option(tmp_path):
+    """A 512-token model: the default batch-1 case (400 + 128 tokens) does not fit, and the
+    error says how to leave it out, before anything loads."""
+    import pytest
+
+    path = build_tiny_model("llama", tmp_path / "m", max_position_embeddings=512)
+    small = dict(model=str(path), num_prompts=2, max_batch=2, input_range=(8, 16))
+    with pytest.raises(ValueError, match="batch-1 case .* pass --skip-batch1"):
+        run_bench(BenchConfig(**small, output_range=(2, 4)), echo=lambda _: None)
+    with pytest.raises(ValueError, match="lower --input-max or --output-max"):
+        run_bench(BenchConfig(**small, output_range=(2, 600), skip_batch1=True), echo=print)
