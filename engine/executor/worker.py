@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -92,6 +93,7 @@ def _serve_steps(
     )
     runner = ModelRunner(model, num_blocks, config.block_size)
     logger.info("tensor-parallel rank %d/%d ready: %d KV blocks", rv.rank, rv.size, num_blocks)
+    defer_stop_signals(rv.rank)
     with torch.inference_mode():
         while True:
             message = receive_object(control)
@@ -119,8 +121,29 @@ def to_device(step: StepInput, device: torch.device) -> StepInput:
     )
 
 
+def defer_stop_signals(rank: int) -> None:
+    """A ready worker outlives its first SIGTERM or SIGINT: a supervisor (systemd's control
+    group, Kubernetes deleting every pod of the group, Ctrl-C in a terminal) signals every rank
+    at once, and rank 0 must still finish its requests in flight, which need every rank. The
+    worker ends when rank 0 tells it to, when rank 0 is gone, or at a second signal."""
+    received = []
+
+    def defer(signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if received:
+            logger.warning("rank %d: %s again; exiting", rank, name)
+            os._exit(128 + signum)
+        received.append(signum)
+        logger.info("rank %d: %s received; running rank 0's steps until it stops", rank, name)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, defer)
+
+
 def spawned_worker(config: EngineConfig, placement, rv: Rendezvous, threads: int) -> None:
     """The entry point of a worker process the engine started (torch.multiprocessing spawn)."""
+    # Ctrl-C reaches the whole process group: rank 0 handles it and stops this worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{rv.rank} %(levelname)s %(message)s"
     )

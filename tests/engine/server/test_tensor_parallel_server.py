@@ -188,3 +188,74 @@ def test_launch_mistakes_are_named_before_anything_loads(tmp_path):
             assert result.returncode == 2, (args, result.stderr[-2000:])
             assert expected in result.stderr.strip().splitlines()[-1], (args, result.stderr)
             assert "Traceback" not in result.stderr, args
+
+
+def _stream_then(base: str, model: Path, after: int, action) -> tuple[int, list[str]]:
+    """A 300-token stream; action() after its first `after` events; (events, error events)."""
+    body = {"model": str(model), "prompt": "Hello", "max_tokens": 300, "stream": True}
+    body.update(temperature=0, ignore_eos=True)
+    lines = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            lines.append(line)
+            if len(lines) == after:
+                action()
+    return len(lines), [line for line in lines if '"error"' in line]
+
+
+def test_sigterm_to_the_whole_group_drains_the_stream_and_exits_0(tmp_path):
+    """systemd (its control group), `timeout` or `kill -TERM -PGID` signal the worker too: it
+    keeps computing until the server has drained, so the grace period holds."""
+    model = build_chat_model(tmp_path / "m")
+    port = _free_port()
+    command = [str(NIGHTSHIFT), "serve", "--model", str(model), "--device", "cpu"]
+    command += ["--port", str(port), "--tensor-parallel-size", "2"]
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", server)
+        workers = _worker_ranks(server)
+        events, errors = _stream_then(
+            f"http://127.0.0.1:{port}", model, 10, lambda: os.killpg(server.pid, signal.SIGTERM)
+        )
+        assert not errors and events > 300
+        code = server.wait(timeout=60)
+        assert code == 0, server.stdout.read()[-2000:]
+        assert not any(_alive(p) for p in workers)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def test_sigterm_to_every_env_rank_drains_the_stream_and_both_exit_0(tmp_path):
+    """Kubernetes deleting the StatefulSet signals both pods at once: rank 1 runs rank 0's
+    steps until rank 0 has finished its requests and tells it to stop."""
+    model = build_chat_model(tmp_path / "m")
+    port = _free_port()
+    env = _rendezvous_env()
+    ranks = [_serve(model, port, env=dict(env, RANK=str(rank))) for rank in (0, 1)]
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", ranks[0])
+
+        def terminate_both() -> None:
+            for rank in ranks:
+                rank.send_signal(signal.SIGTERM)
+
+        events, errors = _stream_then(f"http://127.0.0.1:{port}", model, 10, terminate_both)
+        assert not errors and events > 300
+        for rank in ranks:
+            code = rank.wait(timeout=60)
+            assert code == 0, rank.stdout.read()[-2000:]
+        assert "SIGTERM received; running rank 0's steps until it stops" in ranks[1].stdout.read()
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
