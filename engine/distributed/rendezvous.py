@@ -208,10 +208,7 @@ def min_over_ranks(
     except RendezvousError:
         raise
     except (RuntimeError, dist.DistError) as e:  # the store went away: rank 0 is gone
-        raise RendezvousError(
-            f"tensor-parallel rank {rv.rank} of {rv.size}: rank 0's store at "
-            f"{rv.host}:{rv.port} went away while the ranks loaded ({_first_line(e)})"
-        ) from None
+        raise _store_gone(rv, "the ranks loaded", e) from None
 
 
 def _check_in(
@@ -249,10 +246,14 @@ def _check_in(
     except RendezvousError:
         raise
     except (RuntimeError, dist.DistError) as e:  # the store went away: rank 0 is gone
-        raise RendezvousError(
-            f"tensor-parallel rank {rv.rank} of {rv.size}: rank 0's store at "
-            f"{rv.host}:{rv.port} went away while the ranks were joining ({_first_line(e)})"
-        ) from None
+        raise _store_gone(rv, "the ranks were joining", e) from None
+
+
+def _store_gone(rv: Rendezvous, during: str, e: BaseException) -> RendezvousError:
+    return RendezvousError(
+        f"tensor-parallel rank {rv.rank} of {rv.size}: rank 0's store at {rv.host}:{rv.port} "
+        f"went away while {during} ({_first_line(e)})"
+    )
 
 
 def _ranks(ranks: list[int]) -> str:
