@@ -215,7 +215,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
-    from engine.distributed.rendezvous import RendezvousError
+    from engine.distributed.rendezvous import RankMismatchError, RendezvousError
     from engine.server.auth import resolve_api_key
     from engine.server.cors import CorsConfig
     from engine.server.limits import RequestLimits
@@ -282,8 +282,10 @@ def serve(
                 pooling_type=pooling_type,
                 trust_request_chat_template=trust_request_chat_template,
             )
-        except (EngineDiedError, RendezvousError) as e:  # a supervisor restarts it: exit 1
-            raise fail(str(e), code=1) from None
+        except (EngineDiedError, RendezvousError) as e:
+            # A supervisor restarts it (exit 1); ranks started differently are a launch
+            # mistake, like a bad option (exit 2).
+            raise fail(str(e), code=2 if isinstance(e, RankMismatchError) else 1) from None
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (print a table, write JSON).")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.group import TensorParallel
+from engine.distributed.identity import RankIdentity, mismatch
 
 # The model group's collectives: long enough for a slow rank to finish a big prefill, short
 # enough that a rank lost without a closed connection ends the engine rather than hanging it.
@@ -82,6 +84,9 @@ class Rendezvous:
         connect to it, retrying for up to timeout seconds while rank 0 starts."""
         where = f"{self.host}:{self.port}"
         try:
+            if self.rank > 0:
+                # Until rank 0 listens, torch's own retries print a C++ warning per attempt.
+                _wait_for_listener(self.host, self.port, time.monotonic() + timeout)
             return dist.TCPStore(
                 self.host,
                 self.port,
@@ -90,7 +95,7 @@ class Rendezvous:
                 timeout=timedelta(seconds=timeout),
                 wait_for_workers=False,
             )
-        except (RuntimeError, dist.DistError) as e:
+        except (RuntimeError, dist.DistError, TimeoutError) as e:
             if self.rank == 0:
                 raise OSError(
                     f"tensor-parallel rank 0 cannot listen on MASTER_PORT {self.port} "
@@ -101,6 +106,17 @@ class Rendezvous:
                 f"{where} within {timeout:g} s ({_first_line(e)}); start rank 0 with the same "
                 "MASTER_ADDR, MASTER_PORT and WORLD_SIZE"
             ) from None
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens: {e}") from None
+            time.sleep(0.2)
 
 
 def env_rendezvous(tensor_parallel_size: int) -> Rendezvous | None:
@@ -151,13 +167,16 @@ def join(
     device: torch.device,
     master: dist.TCPStore | None = None,
     *,
+    identity: RankIdentity,
     timeout: float,
     failed: Callable[[], str | None] = lambda: None,
 ) -> tuple[TensorParallel, dist.ProcessGroup, dist.Store]:
-    """(the model's group, the control group, the store), once every rank has joined. Waits at most
-    timeout seconds, and gives up at once when failed() names a reason (a worker this process
-    started has exited): a rank that never comes must not leave the others waiting inside
-    gloo's constructor, which nothing can interrupt."""
+    """(the model's group, the control group, the store), once every rank has joined with the
+    same identity (model, dtype, context length...: a rank that differs is refused here, by
+    every rank, before anything loads). Waits at most timeout seconds, and gives up at once
+    when failed() names a reason (a worker this process started has exited): a rank that never
+    comes must not leave the others waiting inside gloo's constructor, which nothing can
+    interrupt."""
     logger.info(
         "tensor-parallel rank %d of %d: waiting for all ranks at %s:%d",
         rv.rank,
@@ -167,7 +186,7 @@ def join(
     )
     deadline = time.monotonic() + timeout
     store = master if master is not None else rv.store(timeout)
-    _check_in(rv, store, deadline, timeout, failed)
+    _check_in(rv, store, identity, deadline, timeout, failed)
     try:
         # Created with what is left of the join's time (gloo connects every pair in its
         # constructor), then given their working timeouts.
@@ -214,19 +233,22 @@ def min_over_ranks(
 def _check_in(
     rv: Rendezvous,
     store: dist.Store,
+    identity: RankIdentity,
     deadline: float,
     timeout: float,
     failed: Callable[[], str | None],
 ) -> None:
-    """Each rank marks itself joined, then waits until every rank has."""
+    """Each rank publishes its identity, waits until every rank has, then compares: rank 0
+    with every rank, the others with rank 0, so each side of a mismatch says so and exits."""
     joined = dist.PrefixStore("joined", store)
     keys = [str(rank) for rank in range(rv.size)]
     next_log = time.monotonic() + JOIN_LOG_S
     try:
-        joined.set(keys[rv.rank], "1")
+        joined.set(keys[rv.rank], identity.to_json())
         while True:
             missing = [rank for rank, key in enumerate(keys) if not joined.check([key])]
             if not missing:
+                _compare(rv, joined, identity)
                 return
             reason = failed()
             if reason is not None:
@@ -249,6 +271,14 @@ def _check_in(
         raise _store_gone(rv, "the ranks were joining", e) from None
 
 
+def _compare(rv: Rendezvous, joined: dist.Store, mine: RankIdentity) -> None:
+    for other in range(1, rv.size) if rv.rank == 0 else (0,):
+        theirs = RankIdentity.from_json(joined.get(str(other)).decode())
+        problem = mismatch(rv.rank, mine, other, theirs)
+        if problem is not None:
+            raise RankMismatchError(problem)
+
+
 def _store_gone(rv: Rendezvous, during: str, e: BaseException) -> RendezvousError:
     return RendezvousError(
         f"tensor-parallel rank {rv.rank} of {rv.size}: rank 0's store at {rv.host}:{rv.port} "
@@ -267,6 +297,11 @@ def _first_line(e: BaseException) -> str:
 
 class RendezvousError(RuntimeError):
     """The ranks of a tensor-parallel group never all joined."""
+
+
+class RankMismatchError(RendezvousError):
+    """The ranks joined, but were started with different models or options: a launch mistake
+    that a restart does not mend."""
 
 
 def send_object(control: dist.ProcessGroup, obj: object) -> None:

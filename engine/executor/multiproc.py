@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import os
+import sys
 import threading
 from collections.abc import Callable
 
@@ -40,6 +42,12 @@ from engine.runner import ModelRunner, RunnerOutput, StepInput
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+NO_MAIN_GUARD = (
+    "the engine (tensor_parallel_size > 1) is built at the top level of the main module, which "
+    'every worker process imports again: build it under `if __name__ == "__main__":`'
+)
+NO_MAIN_GUARD_EXIT = 78  # EX_CONFIG: how a worker that imported such a script tells rank 0
 
 
 class MultiprocExecutor:
@@ -109,11 +117,10 @@ class MultiprocExecutor:
         context = mp.get_context("spawn")
         if getattr(mp.current_process(), "_inheriting", False):
             # A spawned worker re-imports the main module; a script that builds the engine at
-            # its top level would build it again in every worker.
-            raise RuntimeError(
-                "an engine with tensor_parallel_size > 1 was built while a worker process "
-                'imported the main module: build it under `if __name__ == "__main__":`'
-            )
+            # its top level would build it again in every worker. The worker says why and
+            # exits with a code of its own, which rank 0 turns into the same advice.
+            print(f"{type(self).__name__}: {NO_MAIN_GUARD}", file=sys.stderr, flush=True)
+            os._exit(NO_MAIN_GUARD_EXIT)
         for rank in range(1, rv.size):
             worker = Rendezvous(rv.host, rv.port, rank, rv.size, rank)
             proc = context.Process(
@@ -150,8 +157,11 @@ class MultiprocExecutor:
         if self._closing:
             return
         proc = sentinels[ready[0]]
-        proc.join(0.1)
-        self._fail(f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})")
+        proc.join(5)  # the process has ended: this only reaps it, for its exit code
+        if proc.exitcode == NO_MAIN_GUARD_EXIT:
+            self._fail(f"tensor-parallel worker {proc.name} could not start: {NO_MAIN_GUARD}")
+        else:
+            self._fail(f"tensor-parallel worker {proc.name} exited (code {proc.exitcode})")
 
     def _fail(self, reason: str) -> None:
         if self.failure is not None or self._closing:

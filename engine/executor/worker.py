@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.identity import rank_identity
 from engine.distributed.rendezvous import (
     LOCAL_JOIN_TIMEOUT_S,
     Rendezvous,
@@ -59,7 +60,10 @@ def load_rank(
 
     device = rank_device(placement.device, rv.local_rank)
     placement = replace(placement, device=device)
-    tp, control, store = join(rv, device, master, timeout=join_timeout, failed=failed)
+    identity = rank_identity(config, placement)
+    tp, control, store = join(
+        rv, device, master, identity=identity, timeout=join_timeout, failed=failed
+    )
     liveness()
     model = load_model(
         placement.model_dir,

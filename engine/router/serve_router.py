@@ -13,6 +13,7 @@ import logging
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from urllib.parse import urlsplit
 
 import uvicorn
 
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class RouterBindError(ValueError):
-    """Listening beyond loopback without an API key, and without saying so on purpose."""
+    """An address the router must not listen on: beyond loopback without an API key (and
+    without saying so on purpose), or one of its own backends."""
 
 
 def check_router_bind(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
@@ -35,6 +37,22 @@ def check_router_bind(host: str, api_key: str | None, allow_unauthenticated: boo
         f"refusing to listen on {host} without an API key: anyone who reaches it could use the "
         f"replicas' model. Set ${API_KEY_ENV} or --api-key-file, or pass --allow-unauthenticated"
     )
+
+
+def check_not_self(backends: Sequence[str], host: str, port: int) -> None:
+    """A backend that is the router's own address would route every request back to itself."""
+    any_address = host in ("", "0.0.0.0", "::")
+    for url in backends:
+        parts = urlsplit(url)
+        backend_port = parts.port or (443 if parts.scheme == "https" else 80)
+        same_host = parts.hostname == host or (
+            is_loopback(parts.hostname or "") and (any_address or is_loopback(host))
+        )
+        if backend_port == port and same_host:
+            raise RouterBindError(
+                f"--backend {url} is the router's own address ({host}:{port}): give the "
+                "replicas' URLs, or another --port for the router"
+            )
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -95,6 +113,7 @@ def run_router(
 ) -> None:
     """Runs until SIGTERM/SIGINT."""
     check_router_bind(host, api_key, allow_unauthenticated)
+    check_not_self(config.backends, host, port)
     sock = listen(host, port)
     backends = ", ".join(config.backends + [f"dns:{n}" for n in config.backend_dns])
     log.info(

@@ -187,10 +187,11 @@ def test_a_worker_that_dies_before_joining_fails_the_build_at_once(tmp_path):
         timeout=100,
     )
     assert result.returncode == 1
-    assert 'build it under `if __name__ == "__main__":`' in result.stderr
-    assert "ExecutorFailedError: tensor-parallel worker nightshift-tp-rank1 exited" in (
-        result.stderr
-    )
+    # The error rank 0 raises gives the advice itself, not only the worker's exit code.
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("engine.errors.ExecutorFailedError: tensor-parallel worker "), last
+    assert "could not start: the engine (tensor_parallel_size > 1) is built at the top" in last
+    assert 'build it under `if __name__ == "__main__":`' in last
     assert time.monotonic() - start < 60
 
 
@@ -343,11 +344,65 @@ def test_an_env_rank_ends_itself_when_rank_0_is_killed(tmp_path):
                 p.wait()
 
 
+@pytest.mark.parametrize("difference", ["weights", "max_model_len"])
+def test_ranks_started_differently_are_refused_by_every_rank(tmp_path, difference):
+    """Ranks of an env:// launch each have their own command line and model folder: another
+    checkpoint of the same shapes served wrong text, another vocabulary or context length
+    crashed the group at the first request. Both ranks must refuse when they meet, exit 2,
+    naming what differs."""
+    path = build_tiny_model("llama", tmp_path / "m")
+    other, extra = path, []
+    if difference == "weights":
+        other = build_tiny_model("llama", tmp_path / "other", seed=1)
+        said = "the model ({here} here, {there} on rank {peer}: different checkpoint files)"
+    else:
+        extra = ["--max-model-len", "64"]
+        said = "max_model_len ({here} here, {there} on rank {peer})"
+    env = _rendezvous_env()
+    nightshift = Path(sys.executable).with_name("nightshift")
+    command = [str(nightshift), "serve", "--device", "cpu", "-tp", "2"]
+    rank1 = subprocess.Popen(
+        command + ["--model", str(other), *extra],
+        env=dict(env, RANK="1"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        rank0 = subprocess.run(
+            command + ["--model", str(path), "--port", str(_free_port())],
+            env=dict(env, RANK="0"),
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        _, rank1_err = rank1.communicate(timeout=30)
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()
+            rank1.wait()
+    values = {"weights": (path, other), "max_model_len": (512, 64)}[difference]
+    for rank, code, err in ((0, rank0.returncode, rank0.stderr), (1, rank1.returncode, rank1_err)):
+        here, there = values if rank == 0 else values[::-1]
+        last = err.strip().splitlines()[-1]
+        assert code == 2, err[-2000:]
+        assert last.startswith(f"error: tensor-parallel rank {rank} was started differently")
+        assert said.format(here=here, there=there, peer=1 - rank) in last
+        assert "Traceback" not in err
+
+
 SILENT_RANK = textwrap.dedent(
     """
-    import time, torch
+    import sys, time, torch
+    from pathlib import Path
+    from engine.config import EngineConfig
+    from engine.distributed.identity import rank_identity
     from engine.distributed.rendezvous import Rendezvous, join
-    join(Rendezvous.from_env(), torch.device("cpu"), timeout=60)
+    from engine.engine_builder import place
+    from engine.models.model_config import load_model_config
+    config = EngineConfig(model=sys.argv[1], device="cpu", tensor_parallel_size=2)
+    placement = place(config, Path(sys.argv[1]), load_model_config(Path(sys.argv[1])))
+    identity = rank_identity(config, placement)
+    join(Rendezvous.from_env(), torch.device("cpu"), identity=identity, timeout=60)
     time.sleep(60)  # joined, then gone quiet: no heartbeat, no shard, no KV pool offered
     """
 )
@@ -375,7 +430,7 @@ def test_a_rank_lost_while_the_shards_load_fails_the_build(tmp_path):
     (tmp_path / "build.py").write_text(BUILD_SCRIPT)
     env = _rendezvous_env()
     silent = subprocess.Popen(
-        [sys.executable, str(tmp_path / "silent.py")], env=dict(env, RANK="1")
+        [sys.executable, str(tmp_path / "silent.py"), str(path)], env=dict(env, RANK="1")
     )
     try:
         start = time.monotonic()

@@ -19,6 +19,7 @@ import pytest
 from engine.router.proxy import REPLICA_HEADER, _RelayedStream, _StreamLease
 from engine.router.replica import Replica
 from engine.router.router_config import RouterConfig, RouterConfigError, normalize_backend
+from engine.router.serve_router import RouterBindError, check_not_self
 from engine.server.server_process import free_loopback_port
 from tests.engine.router.fake_replica import FakeReplica
 from tests.engine.router.replicas import running_router, wait_for
@@ -175,7 +176,12 @@ def test_backend_urls_lose_a_trailing_v1():
 
 @pytest.mark.parametrize(
     "args",
-    [[], ["--backend", "ftp://x"], ["--backend", "http://127.0.0.1:1", "--host", "0.0.0.0"]],
+    [
+        [],
+        ["--backend", "ftp://x"],
+        ["--backend", "http://127.0.0.1:1", "--host", "0.0.0.0"],
+        ["--backend", "http://localhost:18123/v1", "--port", "18123"],
+    ],
 )
 def test_the_router_command_refuses_in_one_line(args):
     r = subprocess.run(
@@ -186,6 +192,26 @@ def test_the_router_command_refuses_in_one_line(args):
     )
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("backend", "host", "port", "is_self"),
+    [
+        ("http://127.0.0.1:8000", "127.0.0.1", 8000, True),
+        ("http://localhost:8000", "127.0.0.1", 8000, True),
+        ("http://127.0.0.1:8000", "0.0.0.0", 8000, True),
+        ("http://10.0.0.5:8000", "10.0.0.5", 8000, True),
+        ("http://127.0.0.1:8001", "127.0.0.1", 8000, False),
+        ("http://10.0.0.6:8000", "10.0.0.5", 8000, False),
+    ],
+)
+def test_the_routers_own_address_is_not_a_backend(backend, host, port, is_self):
+    """It would send every request back to itself (a 503 after its health checks fail)."""
+    if is_self:
+        with pytest.raises(RouterBindError, match="is the router's own address"):
+            check_not_self([normalize_backend(backend)], host, port)
+    else:
+        check_not_self([normalize_backend(backend)], host, port)
 
 
 def test_backends_found_by_dns(fakes):
