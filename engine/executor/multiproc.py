@@ -14,12 +14,15 @@ a non-zero exit). Any failure inside a step is fatal too: the ranks would no lon
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing.connection
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 
 import torch
 import torch.multiprocessing as mp
@@ -47,6 +50,9 @@ NO_MAIN_GUARD = (
     "the engine (tensor_parallel_size > 1) is built at the top level of the main module, which "
     'every worker process imports again: build it under `if __name__ == "__main__":`'
 )
+# How long an exiting process waits for an abandoned build to give up: it does at its next
+# check of the ranks (every 50 ms), or once rank 0's own shard has loaded.
+BUILD_GIVE_UP_S = 30.0
 NO_MAIN_GUARD_EXIT = 78  # EX_CONFIG: how a worker that imported such a script tells rank 0
 
 
@@ -64,7 +70,12 @@ class MultiprocExecutor:
         self._stop_watching = threading.Event()
         self._control = None
         self._tp = None
+        # Set once this process is exiting while the build still runs (on the engine thread,
+        # after Ctrl-C ended the main thread): the build gives up at its next check.
+        self._abandoned: str | None = None
+        self._built = threading.Event()
         env = env_rendezvous(size)
+        atexit.register(self._stop_at_exit)
         try:
             if env is not None:
                 rv, master, timeout = self._env_rank0(env), None, join_timeout()
@@ -88,13 +99,15 @@ class MultiprocExecutor:
                 # Ranks started elsewhere have no process to watch, and a hung one none either:
                 # their heartbeats are watched from the moment they have joined.
                 liveness=lambda: watch_heartbeats(rv, self._stop_watching, self._fail),
-                failed=lambda: self.failure,
+                failed=lambda: self.failure or self._abandoned,
             )
         except BaseException as e:
             self.shutdown()
             if self.failure is not None:
                 raise ExecutorFailedError(self.failure) from e
             raise
+        finally:
+            self._built.set()
         self.model = model
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, self._send_step)
         logger.info("tensor parallel: %d ranks (%s)", size, "env://" if env else "local workers")
@@ -121,16 +134,40 @@ class MultiprocExecutor:
             # exits with a code of its own, which rank 0 turns into the same advice.
             print(f"{type(self).__name__}: {NO_MAIN_GUARD}", file=sys.stderr, flush=True)
             os._exit(NO_MAIN_GUARD_EXIT)
-        for rank in range(1, rv.size):
-            worker = Rendezvous(rv.host, rv.port, rank, rv.size, rank)
-            proc = context.Process(
-                target=spawned_worker,
-                args=(config, placement, worker, threads),
-                name=f"nightshift-tp-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            self._procs.append(proc)
+        # Ctrl-C reaches the whole process group. A worker ignores it once it runs; blocked
+        # here, the signal stays blocked in the worker from its first instruction, so a Ctrl-C
+        # during its imports is no KeyboardInterrupt trace either (spawned_worker unblocks it).
+        # (multiprocessing's resource tracker is started first: starting it unblocks SIGINT.)
+        resource_tracker.ensure_running()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            for rank in range(1, rv.size):
+                worker = Rendezvous(rv.host, rv.port, rank, rv.size, rank)
+                proc = context.Process(
+                    target=spawned_worker,
+                    args=(config, placement, worker, threads),
+                    name=f"nightshift-tp-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                self._procs.append(proc)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _stop_at_exit(self) -> None:
+        """The process is exiting without shutdown(): a script that never called it, or Ctrl-C
+        while the engine thread builds (the main thread ended; that thread cannot be
+        interrupted). The workers are stopped here, before multiprocessing's own exit handler
+        would terminate them under the monitor's eyes ("worker exited"), and a build still
+        running is made to give up and clean up first: torn down under it at interpreter exit,
+        its store and groups ended the process with std::terminate."""
+        if not self._built.is_set():
+            self._abandoned = "the process is exiting while the engine is being built"
+            for proc in self._procs:
+                if proc.is_alive():
+                    proc.kill()
+            self._built.wait(BUILD_GIVE_UP_S)
+        self.shutdown()
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         self.check_health()
@@ -154,7 +191,7 @@ class MultiprocExecutor:
     def _monitor(self) -> None:
         sentinels = {p.sentinel: p for p in self._procs}
         ready = multiprocessing.connection.wait(list(sentinels))
-        if self._closing:
+        if self._closing or self._abandoned:
             return
         proc = sentinels[ready[0]]
         proc.join(5)  # the process has ended: this only reaps it, for its exit code
@@ -211,3 +248,4 @@ class MultiprocExecutor:
             self._abort_groups()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
+        atexit.unregister(self._stop_at_exit)

@@ -146,8 +146,10 @@ def defer_stop_signals(rank: int) -> None:
 
 def spawned_worker(config: EngineConfig, placement, rv: Rendezvous, threads: int) -> None:
     """The entry point of a worker process the engine started (torch.multiprocessing spawn)."""
-    # Ctrl-C reaches the whole process group: rank 0 handles it and stops this worker.
+    # Ctrl-C reaches the whole process group: rank 0 handles it and stops this worker. (Rank 0
+    # started this process with SIGINT blocked, so none arrived before this line.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{rv.rank} %(levelname)s %(message)s"
     )

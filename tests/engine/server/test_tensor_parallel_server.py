@@ -259,3 +259,37 @@ def test_sigterm_to_every_env_rank_drains_the_stream_and_both_exit_0(tmp_path):
             if rank.poll() is None:
                 rank.kill()
                 rank.wait()
+
+
+def test_ctrl_c_while_the_ranks_load_stops_every_process_quietly(tmp_path):
+    """Ctrl-C in a terminal signals the whole group while the engine thread still builds (the
+    worker perhaps still importing torch): the server exits 130 (an interrupt, no "engine
+    failed" about the worker it was stopping, no trace from the worker), and no worker is
+    left."""
+    model = build_chat_model(tmp_path / "m")
+    command = [str(NIGHTSHIFT), "serve", "--model", str(model), "--device", "cpu"]
+    command += ["--port", str(_free_port()), "--tensor-parallel-size", "2"]
+    server = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        first = server.stdout.readline()
+        assert "tensor-parallel rank 0 of 2: waiting for all ranks" in first, first
+        workers = _worker_ranks(server)
+        assert workers
+        os.killpg(server.pid, signal.SIGINT)
+        rest = server.stdout.read()
+        assert server.wait(timeout=60) == 130, rest[-2000:]
+        assert "engine failed" not in rest and "Traceback" not in rest, rest[-2000:]
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
