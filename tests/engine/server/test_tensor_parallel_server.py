@@ -46,11 +46,19 @@ def _alive(pid: int) -> bool:
 NIGHTSHIFT = Path(sys.executable).with_name("nightshift")
 
 
-def _serve(model: Path, port: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+def _serve(
+    model: Path, port: int, *extra: str, env: dict | None = None, own_group: bool = False
+) -> subprocess.Popen:
+    """own_group: a process group of its own, for signals to the whole group (os.killpg)."""
     command = [str(NIGHTSHIFT), "serve", "--model", str(model), "--device", "cpu"]
     command += ["--port", str(port), "--tensor-parallel-size", "2", *extra]
     return subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=own_group,
     )
 
 
@@ -209,15 +217,7 @@ def test_sigterm_to_the_whole_group_drains_the_stream_and_exits_0(tmp_path):
     keeps computing until the server has drained, so the grace period holds."""
     model = build_chat_model(tmp_path / "m")
     port = _free_port()
-    command = [str(NIGHTSHIFT), "serve", "--model", str(model), "--device", "cpu"]
-    command += ["--port", str(port), "--tensor-parallel-size", "2"]
-    server = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    server = _serve(model, port, own_group=True)
     try:
         _wait_healthy(f"http://127.0.0.1:{port}", server)
         workers = _worker_ranks(server)
@@ -267,15 +267,7 @@ def test_ctrl_c_while_the_ranks_load_stops_every_process_quietly(tmp_path):
     failed" about the worker it was stopping, no trace from the worker), and no worker is
     left."""
     model = build_chat_model(tmp_path / "m")
-    command = [str(NIGHTSHIFT), "serve", "--model", str(model), "--device", "cpu"]
-    command += ["--port", str(_free_port()), "--tensor-parallel-size", "2"]
-    server = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    server = _serve(model, _free_port(), own_group=True)
     try:
         first = server.stdout.readline()
         assert "tensor-parallel rank 0 of 2: waiting for all ranks" in first, first
