@@ -29,9 +29,12 @@ TABLE_PATH = Path(__file__).parent / "data" / "efficiency.json"
 # Which chip family each catalogue GPU belongs to (a GPU of a user file: "other", the defaults):
 # the families differ in tensor-core generation and in memory (HBM or GDDR), which is what the
 # efficiencies depend on. The A10G (GA102, GDDR6) is Ampere like the A100 (GA100, HBM2e) but
-# not its memory system.
+# not its memory system. The GeForce RTX 4090 (AD102 like the L40S) is apart from the data-centre
+# Ada parts: it runs 16-bit GEMMs with fp32 accumulate at half the tensor rate (its catalogue peak
+# is that half) with 450 W for fewer SMs, where a 350 W L40S cannot hold its full-rate peak's
+# clocks, so the two reach different fractions of their datasheet peaks.
 GENERATION = {
-    "RTX 4090": "ada",
+    "RTX 4090": "ada-geforce",
     "L4": "ada",
     "L40S": "ada",
     "A10G": "ampere-gddr",
@@ -40,7 +43,7 @@ GENERATION = {
     "H100-SXM": "hopper",
     "H200": "hopper",
 }
-GENERATIONS = ("ada", "ampere-gddr", "ampere", "hopper")
+GENERATIONS = ("ada", "ada-geforce", "ampere-gddr", "ampere", "hopper")
 NVLINK_PREFIX = "nvlink"
 
 
@@ -51,6 +54,11 @@ class Efficiency:
     gemm: float  # dense GEMMs, of the 16-bit tensor peak
     memory: float  # of the datasheet memory bandwidth
     t_step: float  # s per step outside the kernels, with CUDA graphs
+    # The share of the one-way NVLink bandwidth a tensor-parallel all-reduce reaches on this
+    # generation's NVLink, where it differs from the table's shared `link`: Hopper's NVSwitch
+    # reduces in the switch (NVLink SHARP, NCCL's NVLS algorithm: each GPU sends its data once
+    # instead of a ring's 2 (tp - 1) / tp), which NVLink 3 on the A100 cannot. None: `link`.
+    link: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +92,10 @@ class EfficiencyTable:
     # Other engines' kernels relative to vLLM's (ours follow vLLM's design): a factor on the
     # GEMM (and so attention) efficiency, fitted on their published cases; 1 = vLLM. Memory-bound
     # decode reads the same bytes in any engine, so the bandwidth efficiency is the GPU's.
+    # A key "engine/generation" (tensorrt-llm/hopper) is that engine on one chip family and
+    # takes precedence over the plain key: another engine's kernels are not ahead of vLLM's by
+    # the same margin on every tensor-core generation (TensorRT-LLM's own Hopper GEMM and
+    # attention kernels against vLLM's; on Ampere both run cuBLAS/FlashAttention-class kernels).
     engines: dict[str, float] = field(default_factory=dict)
     # ... and a factor on their fixed costs (t_step, t_layer): a C++ runtime with fused kernels
     # (TensorRT-LLM) pays less per step and per layer than vLLM's Python loop; 1 = vLLM's.
@@ -100,9 +112,11 @@ class EfficiencyTable:
         fp8 and int8 weights use the fp8/int8 tensor cores where the GPU has them; int4 and fp8
         on older GPUs are weight-only (dequantized to 16-bit for the GEMM)."""
         eff = self.of(gpu)
-        factor = self.engines.get(engine_key(engine), 1.0)
-        fixed = self.engine_overheads.get(engine_key(engine), 1.0)
-        eff = Efficiency(min(eff.gemm * factor, 1.0), eff.memory, eff.t_step * fixed)
+        generation = GENERATION.get(gpu.name, "")
+        factor = engine_factor(self.engines, engine, generation)
+        fixed = engine_factor(self.engine_overheads, engine, generation)
+        eff = replace(eff, gemm=min(eff.gemm * factor, 1.0), t_step=eff.t_step * fixed)
+        nvlink_share = self.link if eff.link is None else eff.link
         low_precision = dtype in ("fp8", "int8") and gpu.fp8_tflops
         peak = (gpu.fp8_tflops if low_precision else gpu.bf16_tflops) * 1e12
         gemm = eff.gemm * (self.fp8_gemm if low_precision else 1.0)
@@ -120,13 +134,20 @@ class EfficiencyTable:
             t_layer=self.t_layer * fixed + (self.t_layer_eager if eager else 0.0),
             roofline_p=self.roofline_p,
             t_allreduce=allreduce_latency(self, nvlink, tp),
-            k_link=1.0 / ((self.link if nvlink else self.link_pcie) * one_way)
+            k_link=1.0 / ((nvlink_share if nvlink else self.link_pcie) * one_way)
             if tp > 1 and one_way
             else 0.0,
         )
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def engine_factor(factors: dict[str, float], engine: str, generation: str) -> float:
+    """An engine's factor on one chip family: its "engine/generation" key, else its plain key,
+    else 1 (vLLM's own)."""
+    key = engine_key(engine)
+    return factors.get(f"{key}/{generation}", factors.get(key, 1.0))
 
 
 def allreduce_latency(table: EfficiencyTable, nvlink: bool, tp: int) -> float:
@@ -174,7 +195,8 @@ DEFAULTS = EfficiencyTable(
     t_layer_eager=3.4e-4,
 )
 
-_BOUNDS = {"gemm": (0.01, 1.0), "memory": (0.01, 1.0), "t_step": (0.0, 1.0)}
+_BOUNDS = {"gemm": (0.01, 1.0), "memory": (0.01, 1.0), "t_step": (0.0, 1.0), "link": (0.01, 1.0)}
+EFFICIENCY_FIELDS = ("gemm", "memory", "t_step")  # every generation has them; link is optional
 _SHARED_BOUNDS = {
     "fp8_gemm": (0.01, 2.0),
     "attention": (0.01, 2.0),
@@ -216,7 +238,8 @@ def load_table(path: Path | None = None) -> EfficiencyTable:
     data = Fields.of(read_json(path), path)
 
     def efficiency(f: Fields) -> Efficiency:
-        return Efficiency(**{k: f.number(k, *_BOUNDS[k]) for k in _BOUNDS})
+        link = f.number("link", *_BOUNDS["link"], None) if "link" in f.data else None
+        return Efficiency(**{k: f.number(k, *_BOUNDS[k]) for k in EFFICIENCY_FIELDS}, link=link)
 
     gens = data.mapping("generations")
     generations = {name: efficiency(gens.mapping(name)) for name in gens.data}
@@ -245,14 +268,21 @@ def save_table(table: EfficiencyTable, path: Path) -> None:
 
 
 def parameter_names(
-    generations: tuple[str, ...] = GENERATIONS, engines: tuple[str, ...] = ()
+    generations: tuple[str, ...] = GENERATIONS,
+    engines: tuple[str, ...] = (),
+    links: tuple[str, ...] = (),
 ) -> list[str]:
-    names = [f"{g}.{k}" for g in generations for k in ("gemm", "memory", "t_step")]
-    others = [e for e in engines if e != "vllm"]
+    """The fit's free parameters: each generation's fractions, the shared terms, the NVLink share
+    of each of `links` (generations with their own), and for each of `engines` ("engine" or
+    "engine/generation" keys; vLLM's own are the reference) a GEMM factor and a fixed-cost
+    factor (vLLM V0: the fixed costs only, its kernels are vLLM's)."""
+    names = [f"{g}.{k}" for g in generations for k in EFFICIENCY_FIELDS]
+    names += [f"{g}.link" for g in links]
+    others = [e for e in engines if e.split("/")[0] != "vllm"]
     return (
         names
         + list(_SHARED_BOUNDS)
-        + [f"engine:{e}" for e in others if e != VLLM_V0]
+        + [f"engine:{e}" for e in others if e.split("/")[0] != VLLM_V0]
         + [f"engine_overhead:{e}" for e in others]
     )
 
@@ -265,13 +295,19 @@ def bounds_of(name: str) -> tuple[float, float]:
 
 
 def get(table: EfficiencyTable, name: str) -> float:
-    if name.startswith("engine:"):
-        return table.engines.get(name.removeprefix("engine:"), 1.0)
-    if name.startswith("engine_overhead:"):
-        return table.engine_overheads.get(name.removeprefix("engine_overhead:"), 1.0)
+    """A parameter's value; one the table does not set on its own is what applies to it (an
+    engine on one generation: the engine's plain factor; a generation's link: the shared one)."""
+    for prefix, factors in (
+        ("engine:", table.engines),
+        ("engine_overhead:", table.engine_overheads),
+    ):
+        if name.startswith(prefix):
+            engine, _, generation = name.removeprefix(prefix).partition("/")
+            return factors.get(f"{engine}/{generation}", factors.get(engine, 1.0))
     if "." in name:
         gen, key = name.split(".")
-        return getattr(table.generations.get(gen, table.default), key)
+        value = getattr(table.generations.get(gen, table.default), key)
+        return table.link if value is None and key == "link" else value
     return getattr(table, name)
 
 

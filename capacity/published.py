@@ -99,6 +99,9 @@ class PublishedCase:
     # Sent over HTTP to an OpenAI-compatible server by a benchmark client (vllm bench serve,
     # genai-perf); not: the engine's Python API (vLLM's LLM class, trtllm-bench).
     served: bool = False
+    # Tokens the server's chat template wraps each prompt in (a client of the chat endpoint sends
+    # messages): the engine prefills them, the source's token counts leave them out.
+    chat_template_tokens: int = 0
 
     @property
     def held_out(self) -> bool:
@@ -171,6 +174,7 @@ def load_cases(path: Path = PUBLISHED_PATH) -> tuple[list[PublishedCase], list[S
             enforce_eager=_flag(f, "enforce_eager", False),
             # Online modes are a client's; a batch of requests may be either.
             served=_flag(f, "served", mode in ("concurrency", "poisson")),
+            chat_template_tokens=f.integer("chat_template_tokens", 0, 100_000, 0),
         )
         if case.value <= 0:
             raise f.error("value must be positive")
@@ -309,7 +313,8 @@ def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = N
     trtllm = engine_key(case.engine) == "tensorrt-llm"
     seqs, tokens = trtllm_bench_settings(case, spec, gpu) if trtllm else vllm_defaults(case, gpu)
     seqs, tokens = case.max_num_seqs or seqs, case.max_num_batched_tokens or tokens
-    length = case.input_len + case.output_len
+    prompt = case.input_len + case.chat_template_tokens  # what the engine prefills
+    length = prompt + case.output_len
     max_model_len = case.max_model_len or max(length, 2048)
     tokens = max(tokens, 1)
     nvlink = gpu.interconnect.lower().startswith("nvlink")
@@ -349,7 +354,7 @@ def build_run(case: PublishedCase, table: EfficiencyTable, gpus: dict | None = N
         seqs = max(1, min(seqs, memory.num_tokens // length))
     engine = EngineShape(memory.num_blocks, 16, seqs, tokens, max_model_len)
     n = _num_requests(case, seqs)
-    trace = [TraceRecord(0.0, case.input_len, case.output_len) for _ in range(n)]
+    trace = [TraceRecord(0.0, prompt, case.output_len) for _ in range(n)]
     load = _load(case, n)
     model = _model(case, spec, gpu, table)
     shapes: list[StepShape] = []
@@ -519,10 +524,25 @@ def fit_table(
     if not train:
         raise ValueError("no training cases")
     generations = tuple(sorted({_generation(r.gpu) for r in train} - {""}))
+    # Another engine's factors per generation where vLLM ran too (elsewhere the factor and the
+    # generation's own fractions are one product: its plain factor); the NVLink share per
+    # generation that ran TP over NVLink (the shared one is what other GPUs get).
+    with_vllm = {_generation(r.gpu) for r in train if engine_of(r.case) == "vllm"}
+    engines = tuple(
+        sorted(
+            {
+                f"{engine_of(r.case)}/{gen}"
+                if (gen := _generation(r.gpu)) in with_vllm
+                else engine_of(r.case)
+                for r in train
+            }
+        )
+    )
+    links = tuple(sorted({_generation(r.gpu) for r in train if _nvlink_tp(r)} - {""}))
     names = [
         n
-        for n in parameter_names(generations, tuple(sorted({engine_of(r.case) for r in train})))
-        if _constrained(n, train)
+        for n in parameter_names(generations, engines, links)
+        if _constrained(n, train) and not (n == "link" and links)
     ]
     table = start
     # Parameters whose default is "no such term" (0) start inside the range the data spans, not
@@ -546,6 +566,7 @@ def fit_table(
             if value > best - 1e-6:
                 break
             best = value
+    table = _engine_means(table)
     table = fit_request_cost(train, table)
     ids = [r.case.id for r in train]
     basis = f"fitted on {len(ids)} published cases"
@@ -570,6 +591,28 @@ def fit_request_cost(runs: list[CaseRun], table: EfficiencyTable) -> EfficiencyT
 
     grid = [1e-5 * 10 ** (i / 40) for i in range(int(40 * math.log10(3e4)) + 1)]
     return with_values(table, {"t_request_http": min(grid, key=error)})
+
+
+def _engine_means(table: EfficiencyTable) -> EfficiencyTable:
+    """Each engine's plain factor (what a generation it did not run on gets): the geometric
+    mean of its per-generation ones."""
+    values = {}
+    for prefix, factors in (
+        ("engine:", table.engines),
+        ("engine_overhead:", table.engine_overheads),
+    ):
+        per_engine: dict[str, list[float]] = {}
+        for key, value in factors.items():
+            engine, _, generation = key.partition("/")
+            if generation:
+                per_engine.setdefault(engine, []).append(value)
+        for engine, found in per_engine.items():
+            values[prefix + engine] = math.exp(sum(map(math.log, found)) / len(found))
+    return with_values(table, values)
+
+
+def _nvlink_tp(run: CaseRun) -> bool:
+    return run.case.tp > 1 and run.gpu.interconnect.lower().startswith("nvlink")
 
 
 def _constrained(name: str, runs: list[CaseRun]) -> bool:

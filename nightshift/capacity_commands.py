@@ -478,7 +478,11 @@ def validate(
         typer.Option(help="--published: fit the efficiency table on the training cases, here."),
     ] = None,
     table: Annotated[
-        Path | None, typer.Option(help="--published: the efficiency table to check.")
+        Path | None,
+        typer.Option(
+            help="--published: the efficiency table to check (with --fit: the fit's start, "
+            "default the built-in defaults)."
+        ),
     ] = None,
     jobs: Annotated[
         int | None,

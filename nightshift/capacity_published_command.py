@@ -37,7 +37,7 @@ def validate_published(
     out: Path,
     jobs: int | None = None,
 ) -> None:
-    from capacity.efficiency import load_table, save_table
+    from capacity.efficiency import DEFAULTS, load_table, save_table
     from capacity.published import (
         PUBLISHED_PATH,
         build_run,
@@ -75,7 +75,9 @@ def validate_published(
                 f"--fit: all {len(runs)} cases of {path} are held out (by a hash of their id); "
                 "nothing to fit on"
             )
-        table = fit_table(runs).table
+        # A refit may start from an earlier fit (--table; fitted on the same training cases,
+        # so nothing held out leaks in): Nelder-Mead then begins near its minimum.
+        table = fit_table(runs, table if table_path else DEFAULTS).table
         save_table(table, fit_out)
         runs = [build_run(run.case, table) if timed_schedule(run.case) else run for run in runs]
     rows = []

@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from capacity.efficiency import DEFAULTS, engine_key, load_table, save_table, with_values
+from capacity.efficiency import (
+    DEFAULTS,
+    engine_key,
+    get,
+    load_table,
+    parameter_names,
+    save_table,
+    with_values,
+)
 from capacity.gpus import find_gpu
 from workload.input_file import BadInputFile
 
@@ -80,6 +88,50 @@ def test_other_engines_scale_the_gemms_not_the_bandwidth():
     trt = lean.coefficients(h100, "bf16", engine="TensorRT-LLM")
     assert trt.t_step == pytest.approx(0.5 * vllm.t_step) and trt.t_layer == pytest.approx(5e-5)
     assert lean.coefficients(h100, "bf16", engine="vLLM").t_layer == 1e-4
+
+
+def test_an_engine_on_one_generation_has_its_own_factor():
+    h100, a100, l40s = find_gpu("H100"), find_gpu("A100-80GB"), find_gpu("L40S")
+    table = with_values(
+        TABLE,
+        {"engine:tensorrt-llm/ampere": 1.1, "engine_overhead:tensorrt-llm/hopper": 0.5},
+    )
+    trt, vllm = "TensorRT-LLM", "vLLM"
+    a = table.coefficients(a100, "bf16", engine=trt)
+    assert a.k_compute == pytest.approx(
+        table.coefficients(a100, "bf16", engine=vllm).k_compute / 1.1
+    )
+    # Elsewhere the engine's plain factor applies; vLLM is the reference everywhere.
+    h = table.coefficients(h100, "bf16", engine=trt)
+    assert h.k_compute == pytest.approx(table.coefficients(h100, "bf16").k_compute / 1.2)
+    assert h.t_step == pytest.approx(0.5 * table.coefficients(h100, "bf16").t_step)
+    assert (
+        table.coefficients(l40s, "bf16", engine=trt).t_step
+        == table.coefficients(l40s, "bf16").t_step
+    )
+    assert get(table, "engine:tensorrt-llm/ada") == 1.2  # what applies there: the plain one
+    names = parameter_names(("hopper",), ("tensorrt-llm/hopper", "vllm-v0/ampere", "vllm/ada"))
+    assert "engine:tensorrt-llm/hopper" in names and "engine_overhead:vllm-v0/ampere" in names
+    assert "engine:vllm-v0/ampere" not in names and not any("vllm/ada" in n for n in names)
+
+
+def test_a_generation_can_have_its_own_nvlink_share(tmp_path):
+    h100, a100 = find_gpu("H100"), find_gpu("A100-80GB")
+    shared = TABLE.coefficients(a100, "bf16", tp=4).k_link
+    table = with_values(TABLE, {"hopper.link": 0.5})
+    assert table.coefficients(h100, "bf16", tp=4).k_link == pytest.approx(
+        1 / (0.5 * h100.interconnect_gbps * 1e9 / 2)
+    )
+    assert table.coefficients(a100, "bf16", tp=4).k_link == shared  # ampere: the shared share
+    assert get(table, "ampere.link") == table.link and get(table, "hopper.link") == 0.5
+    path = tmp_path / "links.json"
+    save_table(table, path)
+    assert load_table(path) == table  # null for the generations without one
+    data = json.loads(path.read_text())
+    data["generations"]["hopper"]["link"] = 1.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(BadInputFile, match="link"):
+        load_table(path)
 
 
 def test_unknown_gpu_family_uses_the_defaults():
