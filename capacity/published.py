@@ -524,26 +524,7 @@ def fit_table(
     if not train:
         raise ValueError("no training cases")
     generations = tuple(sorted({_generation(r.gpu) for r in train} - {""}))
-    # Another engine's factors per generation where vLLM ran too (elsewhere the factor and the
-    # generation's own fractions are one product: its plain factor); the NVLink share per
-    # generation that ran TP over NVLink (the shared one is what other GPUs get).
-    with_vllm = {_generation(r.gpu) for r in train if engine_of(r.case) == "vllm"}
-    engines = tuple(
-        sorted(
-            {
-                f"{engine_of(r.case)}/{gen}"
-                if (gen := _generation(r.gpu)) in with_vllm
-                else engine_of(r.case)
-                for r in train
-            }
-        )
-    )
-    links = tuple(sorted({_generation(r.gpu) for r in train if _nvlink_tp(r)} - {""}))
-    names = [
-        n
-        for n in parameter_names(generations, engines, links)
-        if _constrained(n, train) and not (n == "link" and links)
-    ]
+    names = free_parameters(train)
     table = start
     # Parameters whose default is "no such term" (0) start inside the range the data spans, not
     # at zero, whose logarithm the search cannot leave in a few steps; no pull towards the start.
@@ -573,6 +554,27 @@ def fit_table(
     table = replace(table, basis=basis, fitted_on=ids)
     test = [r.case.id for r in runs if r.case.held_out]
     return FitResult(table, ids, test, rounds)
+
+
+def free_parameters(train: list[CaseRun]) -> list[str]:
+    """The parameters the training cases constrain. Another engine's factors are per generation
+    where vLLM ran too (elsewhere the factor and the generation's own fractions are one
+    product: its plain factor); the NVLink share is per generation that ran TP over NVLink (the
+    shared one is what other GPUs get)."""
+    generations = tuple(sorted({_generation(r.gpu) for r in train} - {""}))
+    with_vllm = {_generation(r.gpu) for r in train if engine_of(r.case) == "vllm"}
+    engines = {
+        f"{engine_of(r.case)}/{gen}"
+        if (gen := _generation(r.gpu)) in with_vllm
+        else engine_of(r.case)
+        for r in train
+    }
+    links = tuple(sorted({_generation(r.gpu) for r in train if _nvlink_tp(r)} - {""}))
+    return [
+        n
+        for n in parameter_names(generations, tuple(sorted(engines)), links)
+        if _constrained(n, train) and not (n == "link" and links)
+    ]
 
 
 def fit_request_cost(runs: list[CaseRun], table: EfficiencyTable) -> EfficiencyTable:

@@ -19,6 +19,7 @@ from capacity.published import (
     engine_of,
     fit_request_cost,
     fit_table,
+    free_parameters,
     load_cases,
     predict,
     trtllm_bench_settings,
@@ -298,3 +299,38 @@ def test_the_front_end_cost_is_found_where_it_binds(tmp_path):
     assert found == pytest.approx(0.03, rel=0.07)
     offline = [replace(r, case=replace(r.case, served=False)) for r in runs]
     assert fit_request_cost(offline, DEFAULTS) is DEFAULTS
+
+
+def test_a_chat_template_is_prefilled_but_not_counted(tmp_path):
+    """A client of the chat endpoint sends messages: the server's chat template adds tokens the
+    engine prefills (GPUStack's Qwen3 runs: 8 per prompt), which the source's counts leave out."""
+    records = [{"served": True}, {"id": "y", "served": True, "chat_template_tokens": 8}]
+    records = [{**r, "metric": "total_tokens_per_s", "num_requests": 6} for r in records]
+    plain, chat = load_cases(_write(tmp_path, records))[0]
+    assert (plain.chat_template_tokens, chat.chat_template_tokens) == (0, 8)
+    runs = [build_run(c, DEFAULTS) for c in (plain, chat)]
+    prefilled = [sum(s.num_batched_tokens for s in r.shapes) for r in runs]
+    assert prefilled[1] - prefilled[0] == 6 * 8
+    # The figure counts the client's tokens over a longer run: lower, not inflated by the 8.
+    assert predict(runs[1], DEFAULTS) < predict(runs[0], DEFAULTS)
+    with pytest.raises(BadInputFile, match="chat_template_tokens"):
+        load_cases(_write(tmp_path, [{"chat_template_tokens": -1}]))
+
+
+def test_free_parameters_split_an_engine_by_generation_only_beside_vllm(tmp_path):
+    small = {"input_len": 16, "output_len": 4, "num_requests": 2}
+    records = [
+        {**small, "id": "vllm-h100"},
+        {**small, "id": "trt-h100", "engine": "TensorRT-LLM", "engine_version": "0.14.0"},
+        {**small, "id": "trt-l40s", "engine": "TensorRT-LLM", "planner_gpu": "L40S"},
+        {**small, "id": "trt-a100-tp2", "engine": "TensorRT-LLM", "planner_gpu": "A100-80GB",
+         "tp": 2},
+    ]  # fmt: skip
+    cases, _ = load_cases(_write(tmp_path, records))
+    names = free_parameters([build_run(c, DEFAULTS) for c in cases])
+    # vLLM ran on Hopper: TensorRT-LLM's factor there is its own; on Ada and Ampere (no vLLM
+    # case) the generation's fractions already are TensorRT-LLM's, so one plain factor.
+    assert "engine:tensorrt-llm/hopper" in names and "engine:tensorrt-llm" in names
+    assert not any(n.startswith("engine:tensorrt-llm/a") for n in names)
+    # TP over NVLink ran on Ampere only: its share is Ampere's, no shared one to fit.
+    assert "ampere.link" in names and "hopper.link" not in names and "link" not in names
