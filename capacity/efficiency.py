@@ -4,9 +4,12 @@ A datasheet peak is never reached: dense GEMMs run at some fraction of the tenso
 in fp8 than in bf16 on Hopper, more on a large-L2 Ampere part), attention kernels at a lower one,
 decode reads at a fraction of the HBM/GDDR bandwidth, and every step pays host and launch
 overheads that CUDA graphs shrink but do not remove. The fractions differ by GPU generation, so
-they are a table per generation (Ada, Ampere, Hopper) plus terms the generations share: the
-per-row host cost, the sampler's cost per logit, all-reduce latency per link type and the share of
-the link bandwidth a ring all-reduce reaches.
+they are a table per chip family (data-centre Ada, GeForce Ada, Ampere GDDR, Ampere, Hopper),
+with the share of the NVLink bandwidth an all-reduce reaches where a family has its own, plus
+terms the families share: the per-row host cost, the sampler's cost per logit, all-reduce latency
+per link type and the PCIe share. Another engine than vLLM (whose design ours follows) is a
+factor on the GEMM efficiency and one on the fixed costs, per family where vLLM's own results
+exist beside it.
 
 The table the planner uses (`capacity/data/efficiency.json`) is fitted on published results
 (`published.py`, `nightshift capacity validate --published --fit`), on a training part of the

@@ -547,7 +547,7 @@ def fit_table(
             if value > best - 1e-6:
                 break
             best = value
-    table = _engine_means(table)
+    table = _engine_means(table, names)
     table = fit_request_cost(train, table)
     ids = [r.case.id for r in train]
     basis = f"fitted on {len(ids)} published cases"
@@ -595,9 +595,10 @@ def fit_request_cost(runs: list[CaseRun], table: EfficiencyTable) -> EfficiencyT
     return with_values(table, {"t_request_http": min(grid, key=error)})
 
 
-def _engine_means(table: EfficiencyTable) -> EfficiencyTable:
-    """Each engine's plain factor (what a generation it did not run on gets): the geometric
-    mean of its per-generation ones."""
+def _engine_means(table: EfficiencyTable, names: list[str]) -> EfficiencyTable:
+    """An engine fitted per generation only: its plain factor (what a generation it did not run
+    on gets) is the geometric mean of its per-generation ones. A plain factor the fit set
+    itself (the engine on generations without vLLM) stays."""
     values = {}
     for prefix, factors in (
         ("engine:", table.engines),
@@ -606,10 +607,11 @@ def _engine_means(table: EfficiencyTable) -> EfficiencyTable:
         per_engine: dict[str, list[float]] = {}
         for key, value in factors.items():
             engine, _, generation = key.partition("/")
-            if generation:
+            if generation and f"{prefix}{key}" in names:
                 per_engine.setdefault(engine, []).append(value)
         for engine, found in per_engine.items():
-            values[prefix + engine] = math.exp(sum(map(math.log, found)) / len(found))
+            if prefix + engine not in names:
+                values[prefix + engine] = math.exp(sum(map(math.log, found)) / len(found))
     return with_values(table, values)
 
 

@@ -334,3 +334,19 @@ def test_free_parameters_split_an_engine_by_generation_only_beside_vllm(tmp_path
     assert not any(n.startswith("engine:tensorrt-llm/a") for n in names)
     # TP over NVLink ran on Ampere only: its share is Ampere's, no shared one to fit.
     assert "ampere.link" in names and "hopper.link" not in names and "link" not in names
+
+
+def test_an_engine_fitted_per_generation_keeps_a_plain_factor_it_fitted():
+    from capacity.published import _engine_means
+
+    table = with_values(
+        DEFAULTS,
+        {"engine:tensorrt-llm/hopper": 2.0, "engine:tensorrt-llm/ampere": 0.5,
+         "engine:tensorrt-llm": 1.7, "engine_overhead:tensorrt-llm/hopper": 0.8},
+    )  # fmt: skip
+    names = ["engine:tensorrt-llm/hopper", "engine:tensorrt-llm/ampere", "engine:tensorrt-llm",
+             "engine_overhead:tensorrt-llm/hopper"]  # fmt: skip
+    means = _engine_means(table, names)
+    assert means.engines["tensorrt-llm"] == 1.7  # fitted itself (L40S, no vLLM beside it)
+    assert means.engine_overheads["tensorrt-llm"] == pytest.approx(0.8)  # the mean of one
+    assert _engine_means(table, names[:2]).engines["tensorrt-llm"] == pytest.approx(1.0)
