@@ -623,7 +623,7 @@ def _constrained(name: str, runs: list[CaseRun]) -> bool:
     """Whether any training case depends on the parameter: the all-reduce terms need a TP case
     over that link; the rest every case has."""
     tp = [r for r in runs if r.case.tp > 1]
-    nvlink = [r for r in tp if r.gpu.interconnect.lower().startswith("nvlink")]
+    nvlink = [r for r in tp if _nvlink_tp(r)]
     if name == "allreduce_nvlink_s":
         return bool(nvlink)
     if name == "allreduce_pcie_s":
