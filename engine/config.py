@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+QUANTIZATIONS = (None, "none", "int8", "int4", "fp8")
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -40,6 +42,11 @@ class EngineConfig:
     # worker processes started here, or, when the environment names a torchrun-style rendezvous
     # (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), ranks joined from wherever they run.
     tensor_parallel_size: int = 1
+    # Weight quantization (engine/quant/): None keeps what the checkpoint holds (a float folder
+    # runs in `dtype`, a quantized one in its own format); "int8" (per output channel), "int4"
+    # (groups of quant_group_size input elements) or "fp8" quantize a float checkpoint at load.
+    quantization: str | None = None
+    quant_group_size: int = 32
 
     def __post_init__(self) -> None:
         if self.profile_path is not None:
@@ -70,6 +77,13 @@ class EngineConfig:
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         self._validate_speculative()
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(q for q in QUANTIZATIONS if q)}, "
+                f"not {self.quantization!r}"
+            )
+        if self.quant_group_size not in (32, 64, 128):
+            raise ValueError(f"quant_group_size must be 32, 64 or 128, got {self.quant_group_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -40,6 +40,8 @@ class Placement:
     dtype: torch.dtype
     max_model_len: int
     kernels: str
+    quantization: str | None = None  # int8, int4, fp8: the float checkpoint quantized at load
+    quant_group_size: int = 32
 
 
 def build_engine_core(
@@ -110,6 +112,8 @@ def place(config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> P
         resolve_dtype(config.dtype, device),
         resolve_max_model_len(config, model_config),
         resolve_kernels(config.attention_backend, device),
+        None if config.quantization == "none" else config.quantization,
+        config.quant_group_size,
     )
 
 
@@ -137,6 +141,8 @@ def build_executor(config: EngineConfig, placement: Placement) -> Executor:
         placement.device,
         placement.max_model_len,
         placement.kernels,
+        quantization=placement.quantization,
+        group_size=placement.quant_group_size,
     )
     num_blocks, _ = kv_blocks(config, model, placement)
     executor = UniprocExecutor(model, num_blocks, config.block_size)

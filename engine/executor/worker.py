@@ -72,6 +72,8 @@ def load_rank(
         placement.max_model_len,
         placement.kernels,
         tp,
+        quantization=placement.quantization,
+        group_size=placement.quant_group_size,
     )
     blocks, _ = kv_blocks(config, model, placement)
     return model, min_over_ranks(rv, store, blocks, failed), tp, control

@@ -75,15 +75,15 @@ class LlamaModel:
             self.lm_head = self.embed
         else:
             self.lm_head = _take(weights, "lm_head.weight")
-        device = self.embed.device
+        device = self.norm.device
         self.cos_sin = cos_sin_cache(config.rope, config.head_dim, max_positions).to(device)
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = torch.cat([_take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-        gate_up = torch.cat(
+        qkv = cat_rows([_take(w, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        gate_up = cat_rows(
             [_take(w, p + "mlp.gate_proj.weight"), _take(w, p + "mlp.up_proj.weight")]
         )
         bias = None
@@ -103,11 +103,11 @@ class LlamaModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        return self.norm.dtype  # the activations' (weights may be quantized)
 
     @property
     def device(self) -> torch.device:
-        return self.embed.device
+        return self.norm.device
 
     def forward(
         self,
@@ -137,13 +137,18 @@ class LlamaModel:
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.embed)
+            return self._lookup(input_ids)
         # Vocab-parallel: rows of tokens another rank owns are zero here; the sum fills them.
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_per_rank)
-        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        hidden = self._lookup(local.masked_fill(outside, 0))
         hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)
         return self.tp.all_reduce(hidden)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(ids, self.embed)
+        return self.embed.rows(ids, self.dtype)  # a quantized table (a GGUF's Q8_0, say)
 
     def _attention(
         self,
@@ -188,6 +193,17 @@ class LlamaModel:
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather_last(logits)[:, : self.config.vocab_size]
+
+
+def cat_rows(parts: list):
+    """Weights stacked along the output dimension: tensors, or quantized weights of one kind."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)
+    kinds = {type(p) for p in parts}
+    if len(kinds) != 1:
+        names = ", ".join(sorted(k.__name__ for k in kinds))
+        raise ModelLoadError(f"cannot fuse projections stored in different formats ({names})")
+    return kinds.pop().cat(parts)
 
 
 def _add_norm(

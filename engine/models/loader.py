@@ -14,6 +14,11 @@ from engine.models.llama import LlamaModel
 from engine.models.model_config import ModelConfig, load_model_config
 from engine.models.sharding import ShardPlan
 from engine.models.weights import load_weights
+from engine.quant.checkpoint import load_quantized, quantization_config
+from engine.quant.gguf_blocks import INT4_TYPES, gguf_types, load_gguf_weights
+from engine.quant.quantize import quantize_model
+
+INT4_NAMES = frozenset(t.name for t in INT4_TYPES)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -67,18 +72,55 @@ def load_model(
     max_positions: int,
     kernels: str = "torch",
     tp: TensorParallel = SINGLE,
+    *,
+    quantization: str | None = None,
+    group_size: int = 32,
 ) -> LlamaModel:
-    """The model, or with tensor parallelism this rank's shard of it (tp.rank of tp.size)."""
+    """The model, or with tensor parallelism this rank's shard of it (tp.rank of tp.size);
+    with `quantization` (int8, int4, fp8) its projections quantized (each rank its shard)."""
     if not model_dir.is_dir():
         raise ModelLoadError(f"model path {model_dir} is not a directory")
     config = load_model_config(model_dir)
     plan = ShardPlan(config, tp.rank, tp.size)
-    weights, shapes = load_weights(model_dir, dtype, plan)
+    qconfig = quantization_config(model_dir)
+    source = _gguf_blocks_source(model_dir, quantization, group_size)
+    if qconfig is not None:
+        if quantization not in (None, qconfig["format"]):
+            raise ModelLoadError(
+                f"{model_dir} holds {qconfig['format']} weights; --quantization "
+                f"{quantization} needs the float checkpoint it came from"
+            )
+        weights, shapes = load_quantized(model_dir, qconfig, dtype, plan)
+        quantization = None  # as stored
+    elif source is not None:  # the GGUF's own 4-bit blocks: the bytes llama.cpp reads
+        weights, shapes = load_gguf_weights(source, dtype, plan)
+    else:
+        weights, shapes = load_weights(model_dir, dtype, plan)
     _check_shapes(config, shapes)
     weights = {name: t.to(device) for name, t in weights.items()}
-    return LlamaModel(
+    model = LlamaModel(
         config, weights, max_positions, attention_backend(kernels), ops=kernels, tp=tp, plan=plan
     )
+    del weights  # the float projections go once quantized
+    if quantization is not None:
+        quantize_model(model, quantization, group_size)
+    return model
+
+
+def _gguf_blocks_source(model_dir: Path, quantization: str | None, group_size: int) -> Path | None:
+    """The GGUF a folder was converted from, when int4 in groups of 32 is asked and the file's
+    projections are 4-bit blocks already: loading those is exact, quantizing their float32
+    dequantization again would not be."""
+    if quantization != "int4" or group_size != 32:
+        return None
+    from engine.model_fetch import gguf_source
+
+    source = gguf_source(model_dir)
+    if source is None:
+        return None
+    types = gguf_types(source)
+    projections = [t for name, t in types.items() if name.endswith("_proj.weight")]
+    return source if projections and all(t in INT4_NAMES for t in projections) else None
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

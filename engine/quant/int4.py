@@ -1,0 +1,145 @@
+"""Int4 weights in groups: w[o, i] = scale[o, g] * q[o, i] + low[o, g], g = i // group, q in
+[0, 15]. One formula holds GGUF's Q4_1 (scale d, low m) and Q4_0 (low = -8 d), symmetric int4
+(low = -8 scale) and asymmetric int4 alike.
+
+Stored packed two codes a byte along the input (the even input in the low nibble), what the
+quantized folder writes (engine/quant/checkpoint.py). The CPU matmul is torch's
+`_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input dtype on this CPU:
+float32 runs 30x slower), which wants its own blocked layout, made once at first use, and
+(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class Int4Weight:
+    packed: torch.Tensor  # uint8 [out, in // 2]
+    scale: torch.Tensor  # float32 [out, in // group]
+    low: torch.Tensor  # float32 [out, in // group]
+    group: int
+    _cpu: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        out, half = self.packed.shape
+        if self.packed.dtype != torch.uint8:
+            raise ValueError(f"int4 codes must be packed in uint8, got {self.packed.dtype}")
+        cols = 2 * half
+        if self.group < 2 or self.group % 2 or cols % self.group:
+            raise ValueError(f"group {self.group} does not divide the input width {cols}")
+        for name in ("scale", "low"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (out, cols // self.group):
+                raise ValueError(
+                    f"int4 {name} has shape {tuple(t.shape)}, expected {(out, cols // self.group)}"
+                )
+            setattr(self, name, t.float())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * self.scale.numel() * self.scale.element_size()
+
+    def codes(self) -> torch.Tensor:
+        """q as uint8 [out, in]."""
+        p = self.packed
+        return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out, cols = self.shape
+        q = self.codes().float().view(out, cols // self.group, self.group)
+        w = q * self.scale[..., None] + self.low[..., None]
+        return w.view(out, cols).to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        part = Int4Weight(self.packed[ids.flatten()], self.scale[ids.flatten()],
+                          self.low[ids.flatten()], self.group)  # fmt: skip
+        return part.dequantize(dtype).view(*ids.shape, self.shape[1])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and self._cpu_kernel_fits():
+            packed, scale_zero = self._cpu_layout()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), packed, self.group, scale_zero
+            ).to(x.dtype)
+            return y if bias is None else y + bias
+        return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
+
+    def _cpu_kernel_fits(self) -> bool:
+        # The kernel's own constraints: rows in blocks of 16, groups of 32 or more.
+        return self.shape[0] % 16 == 0 and self.group >= 32
+
+    def _cpu_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cpu is None:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                self.codes().to(torch.int32), 1
+            )
+            zero = self.low + 8 * self.scale
+            scale_zero = torch.stack([self.scale.t(), zero.t()], dim=-1)
+            self._cpu = packed, scale_zero.contiguous().to(torch.bfloat16)
+        return self._cpu
+
+    def to(self, device: torch.device) -> Int4Weight:
+        return Int4Weight(
+            self.packed.to(device), self.scale.to(device), self.low.to(device), self.group
+        )
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        """Stacked along the output dimension (q|k|v, gate|up)."""
+        groups = {p.group for p in parts}
+        if len(groups) != 1:
+            raise ValueError(f"cannot stack int4 weights with groups {sorted(groups)}")
+        return Int4Weight(
+            torch.cat([p.packed for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.low for p in parts]),
+            groups.pop(),
+        )
+
+    def slice(self, dim: int, start: int, stop: int) -> Int4Weight:
+        """A tensor-parallel shard: rows, or columns on group boundaries."""
+        if dim == 0:
+            rows = slice(start, stop)
+            return Int4Weight(self.packed[rows].contiguous(), self.scale[rows], self.low[rows],
+                              self.group)  # fmt: skip
+        if start % self.group or stop % self.group:
+            raise ValueError(
+                f"int4 columns {start}:{stop} do not fall on the weight's {self.group}-wide groups"
+            )
+        g = slice(start // self.group, stop // self.group)
+        return Int4Weight(
+            self.packed[:, start // 2 : stop // 2].contiguous(),
+            self.scale[:, g].contiguous(),
+            self.low[:, g].contiguous(),
+            self.group,
+        )
+
+
+def pack_codes(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] codes in [0, 15] -> [out, in // 2], the even input in the low nibble."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
+    """Asymmetric round-to-nearest per group (the Q4_1 scheme): the group's range [min, max]
+    maps onto the 16 codes."""
+    out, cols = w.shape
+    if cols % group:
+        raise ValueError(f"int4 group {group} does not divide the input width {cols}")
+    g = w.float().view(out, cols // group, group)
+    low, high = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp_(0, 15)
+    return Int4Weight(pack_codes(q.view(out, cols)), scale, low, group)
