@@ -48,7 +48,9 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + 2 * self.scale.numel() * self.scale.element_size()
+        """What a matmul reads: the codes and a bfloat16 (scale, zero) per group, as a GGUF's
+        Q4_1 block holds them (the float32 copies are for exact dequantization)."""
+        return self.packed.numel() + 4 * self.scale.numel()
 
     def codes(self) -> torch.Tensor:
         """q as uint8 [out, in]."""

@@ -50,7 +50,8 @@ class Int8Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+        """What a matmul reads: the codes and a bfloat16 scale per group (as Q8_0 holds it)."""
+        return self.q.numel() + 2 * self.scale.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         out, cols = self.q.shape
