@@ -40,6 +40,7 @@ class BenchConfig:
     seed: int = 0
     skip_hf: bool = False
     skip_batch1: bool = False
+    quantization: str | None = None  # the engine's weights: None (float32), int8, int4, fp8
     json_out: str | None = None
     batch1_prompt: int = 400
     batch1_output: int = 128
@@ -325,6 +326,7 @@ def _engine(cfg: BenchConfig, model_dir, **options):
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=_max_model_len(cfg),
         seed=cfg.seed,
+        quantization=cfg.quantization,
         **options,
     )
 
@@ -376,6 +378,11 @@ def _run_batch1(
     rng = random.Random(cfg.seed + 1)
     n = cfg.batch1_output
     step_bytes = decode_step_bytes(mcfg, cfg.batch1_prompt + n // 2)
+    if cfg.quantization not in (None, "none"):  # what the quantized layers actually read
+        from engine.quant.quantize import weight_bytes
+
+        floats = decode_step_bytes(mcfg, 0)
+        step_bytes += weight_bytes(llm.engine.core.executor.model) - floats
     roofline_tps = machine["copy_gbps"] * 1e9 / step_bytes
     runs: dict[str, list[SideResult]] = {"engine": [], "hf": []}
     for _ in range(cfg.batch1_repeats):

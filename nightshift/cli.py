@@ -357,6 +357,7 @@ def bench_engine(
             min=1,
         ),
     ] = 1,
+    quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
 ) -> None:
     """Engine vs HF transformers generate on a mixed workload and at batch 1, one run."""
     from engine.bench import BenchConfig, run_bench
@@ -374,6 +375,7 @@ def bench_engine(
         skip_hf=skip_hf,
         skip_batch1=skip_batch1,
         json_out=json_out,
+        quantization=quantization,
     )
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
         run_bench(config, echo=typer.echo)

@@ -6,7 +6,8 @@ Stored packed two codes a byte along the input (the even input in the low nibble
 quantized folder writes (engine/quant/checkpoint.py). The CPU matmul is torch's
 `_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input dtype on this CPU:
 float32 runs 30x slower), which wants its own blocked layout, made once at first use, and
-(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale."""
+(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. On a GPU it is the Triton W4A16 kernel (engine/kernels/quant_matmul.py)
+on the stored layout."""
 
 from __future__ import annotations
 
@@ -74,6 +75,11 @@ class Int4Weight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), packed, self.group, scale_zero
             ).to(x.dtype)
+            return y if bias is None else y + bias
+        if x.is_cuda and x.dim() == 2:
+            from engine.kernels.quant_matmul import w4a16_matmul
+
+            y = w4a16_matmul(x, self.packed, self.scale, self.low, self.group)
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
 

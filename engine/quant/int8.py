@@ -8,7 +8,7 @@ class of CPU (AVX512-BF16) it reads the int8 weight at one row about 1.8x faster
 float32 linear reads a float32 one (63 vs 112 us for a 3072 x 576 weight), while its float32
 path is ten times slower and float16 fifty. Group-wise weights run it once per group (the kernel
 takes one scale per output channel), which the K-major copy made at load keeps contiguous.
-Elsewhere (GPU without the Triton kernel, large prefill chunks) the weight is dequantized."""
+On a GPU it is the Triton W8A16 kernel (engine/kernels/quant_matmul.py)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,10 @@ class Int8Weight:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.device.type == "cpu" and x.dim() == 2:
             y = self._cpu_matmul(x.to(torch.bfloat16)).to(x.dtype)
+        elif x.is_cuda and x.dim() == 2:
+            from engine.kernels.quant_matmul import w8a16_matmul
+
+            y = w8a16_matmul(x, self.q, self.scale, self.group)
         else:
             return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
         return y if bias is None else y + bias
