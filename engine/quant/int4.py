@@ -6,8 +6,8 @@ Stored packed two codes a byte along the input (the even input in the low nibble
 quantized folder writes (engine/quant/checkpoint.py). The CPU matmul is torch's
 `_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input dtype on this CPU:
 float32 runs 30x slower), which wants its own blocked layout, made once at first use, and
-(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. On a GPU it is the Triton W4A16 kernel (engine/kernels/quant_matmul.py)
-on the stored layout."""
+(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. On a GPU it is the
+Triton W4A16 kernel (engine/kernels/quant_matmul.py) on the stored layout."""
 
 from __future__ import annotations
 
