@@ -26,6 +26,7 @@ say so and are skipped. Timing: CUDA events, warm-up first, median of repeats, i
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -43,7 +44,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-SECTIONS = ("kernels", "hf", "decode", "prefill", "throughput", "memory", "speculative")
+SECTIONS = (
+    "kernels",
+    "hf",
+    "decode",
+    "prefill",
+    "throughput",
+    "memory",
+    "speculative",
+    "quant",
+)
 
 
 @dataclass(slots=True)
@@ -650,6 +660,73 @@ def check_speculative(check: Check) -> None:
         )
 
 
+# ---- 8. quantized GEMMs ----------------------------------------------------------------------
+
+
+def check_quant(check: Check, bandwidth: float) -> None:
+    """W8A16 / W4A16 (Triton, engine/kernels/quant_matmul.py) and fp8 (torch._scaled_mm where
+    the GPU has fp8) on Llama-3.1-8B's projection shapes, against bf16 F.linear on the same
+    shape: error vs the dequantized weight, TFLOP/s, and at few rows the weight-read bandwidth
+    as a fraction of the copy ceiling (decode streams the weights once a step)."""
+    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+              ("down", 4096, 14336)]  # fmt: skip
+    rows = (1, 16, 128, 1024)
+    if check.smoke:
+        shapes, rows = [("tiny", 96, 128)], (1, 17)
+    fp8_ok = check.device.type == "cuda" and torch.cuda.get_device_capability() >= (8, 9)
+    act = check.dtype if check.device.type == "cuda" else torch.float32
+    for name, n, k in shapes:
+        gen = torch.Generator(device=check.device).manual_seed(n + k)
+        w = torch.randn(n, k, generator=gen, device=check.device) * 0.02
+        kinds = _quant_kinds(w, act, fp8_ok)
+        for m in rows:
+            x = torch.randn(m, k, generator=gen, device=check.device).to(act)
+            base = None
+            for kind, (fn, ref_w, weight_bytes) in kinds.items():
+                err = _rel_err(fn(x), x.float() @ ref_w.float().T)
+                seconds = _time(functools.partial(fn, x), repeats=3 if check.smoke else 20)
+                base = base or seconds
+                check.add(
+                    "quant",
+                    shape=f"{name} {n}x{k}",
+                    rows=m,
+                    kind=kind,
+                    us=seconds * 1e6,
+                    tflops=2 * m * n * k / seconds / 1e12,
+                    weight_gb_s=weight_bytes / seconds / 1e9,
+                    # the copy ceiling counts bytes read and written: a read-only stream's is half
+                    roofline=2 * weight_bytes / seconds / bandwidth if m <= 16 else None,
+                    speedup_vs_bf16=base / seconds,
+                    rel_err=err,
+                    passed=err <= (0.05 if kind == "fp8" else _tolerance(act) * 5),
+                )
+    if not fp8_ok:
+        check.notes.append("quant: no fp8 rows (needs a CUDA GPU of compute capability 8.9+)")
+
+
+def _quant_kinds(w: torch.Tensor, act: torch.dtype, fp8: bool) -> dict:
+    """kind -> (matmul, the weight it computes with, the bytes of weight it reads)."""
+    from engine.kernels.quant_matmul import w4a16_matmul, w8a16_matmul
+    from engine.quant.fp8 import quantize_fp8
+    from engine.quant.int4 import quantize_int4
+    from engine.quant.int8 import quantize_int8
+
+    n, k = w.shape
+    wd = w.to(act)
+    q8, q4 = quantize_int8(w), quantize_int4(w, 128 if k % 128 == 0 else 32)
+    kinds = {
+        "bf16": (lambda x: torch.nn.functional.linear(x, wd), wd, n * k * act.itemsize),
+        "w8a16": (lambda x: w8a16_matmul(x, q8.q, q8.scale, q8.group), q8.dequantize(act),
+                  n * k + 4 * n),
+        "w4a16": (lambda x: w4a16_matmul(x, q4.packed, q4.scale, q4.low, q4.group),
+                  q4.dequantize(act), n * k // 2 + 8 * q4.scale.numel()),
+    }  # fmt: skip
+    if fp8:
+        f8 = quantize_fp8(w)
+        kinds["fp8"] = (f8.linear, f8.dequantize(act), n * k + 4 * n)
+    return kinds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -676,6 +753,7 @@ def main() -> int:
         "throughput": lambda: check_throughput(check),
         "memory": lambda: check_memory(check),
         "speculative": lambda: check_speculative(check),
+        "quant": lambda: check_quant(check, bandwidth),
     }
     failed = False
     for name in args.sections.split(","):

@@ -13,7 +13,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "ops" / "gpu_check.py"
 
 
 def test_smoke_run_writes_every_section(tmp_path):
-    sections = "kernels,hf,decode,prefill,speculative"
+    sections = "kernels,hf,decode,prefill,speculative,quant"
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path), "--sections", sections],
         capture_output=True,
@@ -28,4 +28,6 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(row["verdict"] == "equal" for row in rows["hf"])
     assert all(row["step_ms"] > 0 for row in rows["decode"])
     assert [row["identical"] for row in rows["speculative"]] == ["2/2", "2/2"]
+    assert {row["kind"] for row in rows["quant"]} >= {"bf16", "w8a16", "w4a16"}
+    assert all(row["passed"] for row in rows["quant"])
     assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check")
