@@ -718,7 +718,7 @@ def _quant_kinds(w: torch.Tensor, act: torch.dtype, fp8: bool) -> dict:
         "bf16": (lambda x: torch.nn.functional.linear(x, wd), wd, n * k * act.itemsize),
         "w8a16": (lambda x: w8a16_matmul(x, q8.q, q8.scale, q8.group), q8.dequantize(act),
                   n * k + 4 * n),
-        "w4a16": (lambda x: w4a16_matmul(x, q4.packed, q4.scale, q4.low, q4.group),
+        "w4a16": (lambda x: w4a16_matmul(x, q4.stored(), q4.scale, q4.low, q4.group),
                   q4.dequantize(act), n * k // 2 + 8 * q4.scale.numel()),
     }  # fmt: skip
     if fp8:

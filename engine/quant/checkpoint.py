@@ -58,7 +58,7 @@ def save_quantized(weights: dict, src: Path, dst: Path, fmt: str, group: int, so
             continue
         layout[name] = FORMATS[type(w)]
         if isinstance(w, Int4Weight):
-            tensors[name], tensors[name + "_low"] = w.packed, w.low
+            tensors[name], tensors[name + "_low"] = w.stored(), w.low
         else:
             tensors[name] = w.q
         tensors[name + "_scale"] = w.scale

@@ -152,7 +152,7 @@ def _take_rows(w, order: torch.Tensor):
     if isinstance(w, torch.Tensor):
         return w[order].contiguous()
     if isinstance(w, Int4Weight):
-        return Int4Weight(w.packed[order].contiguous(), w.scale[order], w.low[order], w.group)
+        return Int4Weight(w.stored()[order].contiguous(), w.scale[order], w.low[order], w.group)
     return Int8Weight(w.q[order].contiguous(), w.scale[order], w.group)
 
 

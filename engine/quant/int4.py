@@ -11,6 +11,7 @@ Triton W4A16 kernel (engine/kernels/quant_matmul.py) on the stored layout."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -18,14 +19,16 @@ import torch
 
 @dataclass(slots=True)
 class Int4Weight:
-    packed: torch.Tensor  # uint8 [out, in // 2]
+    # uint8 [out, in // 2]; None once the CPU kernel's layout is made (the codes are kept once:
+    # they come back from that layout when asked for, see `stored`)
+    packed: torch.Tensor | None
     scale: torch.Tensor  # float32 [out, in // group]
     low: torch.Tensor  # float32 [out, in // group]
     group: int
     _cpu: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        out, half = self.packed.shape
+        out, half = self.packed.shape  # built from stored codes; the CPU layout comes later
         if self.packed.dtype != torch.uint8:
             raise ValueError(f"int4 codes must be packed in uint8, got {self.packed.dtype}")
         cols = 2 * half
@@ -41,21 +44,27 @@ class Int4Weight:
 
     @property
     def shape(self) -> torch.Size:
-        return torch.Size((self.packed.shape[0], 2 * self.packed.shape[1]))
+        return torch.Size((self.scale.shape[0], self.scale.shape[1] * self.group))
 
     @property
     def device(self) -> torch.device:
-        return self.packed.device
+        return self.scale.device
+
+    def stored(self) -> torch.Tensor:
+        """The codes in the stored layout ([out, in // 2], even input in the low nibble)."""
+        if self.packed is not None:
+            return self.packed
+        return pack_codes(_from_cpu_layout(self._cpu[0], *self.shape))
 
     @property
     def nbytes(self) -> int:
         """What a matmul reads: the codes and a bfloat16 (scale, zero) per group, as a GGUF's
         Q4_1 block holds them (the float32 copies are for exact dequantization)."""
-        return self.packed.numel() + 4 * self.scale.numel()
+        return self.shape.numel() // 2 + 4 * self.scale.numel()
 
     def codes(self) -> torch.Tensor:
         """q as uint8 [out, in]."""
-        p = self.packed
+        p = self.stored()
         return torch.stack([p & 15, p >> 4], dim=-1).view(p.shape[0], -1)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -65,8 +74,8 @@ class Int4Weight:
         return w.view(out, cols).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        part = Int4Weight(self.packed[ids.flatten()], self.scale[ids.flatten()],
-                          self.low[ids.flatten()], self.group)  # fmt: skip
+        flat = ids.flatten()
+        part = Int4Weight(self.stored()[flat], self.scale[flat], self.low[flat], self.group)
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,7 +88,7 @@ class Int4Weight:
         if x.is_cuda and x.dim() == 2:
             from engine.kernels.quant_matmul import w4a16_matmul
 
-            y = w4a16_matmul(x, self.packed, self.scale, self.low, self.group)
+            y = w4a16_matmul(x, self.stored(), self.scale, self.low, self.group)
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
 
@@ -95,11 +104,12 @@ class Int4Weight:
             zero = self.low + 8 * self.scale
             scale_zero = torch.stack([self.scale.t(), zero.t()], dim=-1)
             self._cpu = packed, scale_zero.contiguous().to(torch.bfloat16)
+            self.packed = None  # one copy of the codes in memory, the one the kernel reads
         return self._cpu
 
     def to(self, device: torch.device) -> Int4Weight:
         return Int4Weight(
-            self.packed.to(device), self.scale.to(device), self.low.to(device), self.group
+            self.stored().to(device), self.scale.to(device), self.low.to(device), self.group
         )
 
     @staticmethod
@@ -109,7 +119,7 @@ class Int4Weight:
         if len(groups) != 1:
             raise ValueError(f"cannot stack int4 weights with groups {sorted(groups)}")
         return Int4Weight(
-            torch.cat([p.packed for p in parts]),
+            torch.cat([p.stored() for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.low for p in parts]),
             groups.pop(),
@@ -119,7 +129,7 @@ class Int4Weight:
         """A tensor-parallel shard: rows, or columns on group boundaries."""
         if dim == 0:
             rows = slice(start, stop)
-            return Int4Weight(self.packed[rows].contiguous(), self.scale[rows], self.low[rows],
+            return Int4Weight(self.stored()[rows].contiguous(), self.scale[rows], self.low[rows],
                               self.group)  # fmt: skip
         if start % self.group or stop % self.group:
             raise ValueError(
@@ -127,11 +137,30 @@ class Int4Weight:
             )
         g = slice(start // self.group, stop // self.group)
         return Int4Weight(
-            self.packed[:, start // 2 : stop // 2].contiguous(),
+            self.stored()[:, start // 2 : stop // 2].contiguous(),
             self.scale[:, g].contiguous(),
             self.low[:, g].contiguous(),
             self.group,
         )
+
+
+def _from_cpu_layout(cpu: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The [rows, cols] codes back from torch's blocked CPU layout (rarely needed: to save or
+    dequantize a weight that has run). The layout is a permutation of nibbles that torch does
+    not document, so it is read off the conversion itself: each hexadecimal digit of every
+    element's index goes through it once, and the digits at a nibble spell whose code it is."""
+    n = rows * cols
+    index = torch.arange(n, dtype=torch.int64)
+    source = torch.zeros(n, dtype=torch.int64)
+    for digit in range(max(1, math.ceil(math.log(n, 16)))):
+        plane = ((index >> (4 * digit)) & 15).to(torch.int32).view(rows, cols)
+        moved = torch.ops.aten._convert_weight_to_int4pack_for_cpu(plane, 1).reshape(-1)
+        nibbles = torch.stack([moved & 15, moved >> 4], dim=-1).reshape(-1)
+        source |= nibbles.to(torch.int64) << (4 * digit)
+    flat = cpu.reshape(-1)
+    codes = torch.empty(n, dtype=torch.uint8)
+    codes[source] = torch.stack([flat & 15, flat >> 4], dim=-1).reshape(-1)
+    return codes.view(rows, cols)
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,17 @@ def test_cat_and_slice_keep_the_values() -> None:
         assert torch.equal(cols.dequantize(), joined.dequantize()[:, 64:128])
 
 
+@pytest.mark.parametrize("shape", [(96, 256), (48, 64), (1536, 576), (80, 1024)])
+def test_int4_keeps_one_copy_of_its_codes_once_it_has_run(shape) -> None:
+    torch.manual_seed(1)
+    qw = quantize_int4(torch.randn(*shape), 32)
+    before = qw.dequantize()
+    qw.linear(torch.randn(2, shape[1]))
+    assert qw.packed is None  # only the CPU kernel's layout is left ...
+    assert torch.equal(qw.dequantize(), before)  # ... and the codes come back from it
+    assert torch.equal(type(qw).cat([qw, qw]).dequantize(), torch.cat([before, before]))
+
+
 def test_slicing_inside_a_group_is_refused() -> None:
     with pytest.raises(ValueError, match="groups"):
         quantize_int4(_weights(), 32).slice(1, 16, 80)
