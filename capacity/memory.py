@@ -110,6 +110,11 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
 # one float scale per layer, which is no memory to speak of). int8 is the 8-bit KV cache of
 # TensorRT-LLM and LMDeploy: one byte an element, its scales as negligible.
 KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# Nightshift's own fp8 / int8 KV cache (engine/attention/kv_quant.py) keeps a float32 scale per
+# token and KV head beside the codes, for K and for V: 4 bytes more per head row, 6% of an fp8 row
+# at head_dim 64 (3% at 128). plan_memory(..., kv_token_scales=True) counts them, and then
+# computes the engine's block count exactly (tests/engine/test_kv_cache_dtype.py builds it).
+KV_TOKEN_SCALE_BYTES = 4
 _ALIASES = {
     "float32": "fp32",
     "float": "fp32",
@@ -156,10 +161,17 @@ def _matrix_bits(fan_in: int, out: int, fmt: WeightFormat) -> int:
     return bits
 
 
-def kv_bytes_per_token(spec: ModelSpec, kv_dtype: str = "bf16", tp: int = 1) -> int:
-    """K and V of one token over all layers, on one of tp GPUs."""
-    nbytes = KV_DTYPE_BYTES[normalize_dtype(kv_dtype, KV_DTYPE_BYTES)]
-    return 2 * spec.num_layers * kv_heads_per_gpu(spec, tp) * spec.head_dim * nbytes
+def kv_bytes_per_token(
+    spec: ModelSpec, kv_dtype: str = "bf16", tp: int = 1, *, token_scales: bool = False
+) -> int:
+    """K and V of one token over all layers, on one of tp GPUs. token_scales: a 1-byte KV dtype
+    also keeps a scale per token and KV head (KV_TOKEN_SCALE_BYTES), as this engine's does;
+    vLLM's fp8 cache has one per layer, counted as nothing."""
+    name = normalize_dtype(kv_dtype, KV_DTYPE_BYTES)
+    per_head = spec.head_dim * KV_DTYPE_BYTES[name]
+    if token_scales and name in ("fp8", "int8"):
+        per_head += KV_TOKEN_SCALE_BYTES
+    return 2 * spec.num_layers * kv_heads_per_gpu(spec, tp) * per_head
 
 
 def activation_peak_bytes(
@@ -289,13 +301,16 @@ def plan_memory(
     cuda_graphs: bool = True,
     kv_cache_memory: int | None = None,
     nvlink: bool = True,
+    kv_token_scales: bool = False,
 ) -> MemoryPlan:
     """The KV pool left on each GPU of gpu_memory_bytes (the total CUDA reports). kv_dtype
     defaults to the compute dtype; max_model_len to the model's max_position_embeddings.
     kv_cache_memory fixes the pool's bytes instead of deriving them from utilization (vLLM's
     kv_cache_memory_bytes, our EngineConfig.kv_cache_memory). cuda_graphs: the graphs' memory is
     in the budget (vLLM >= 0.21; False for enforce_eager or vLLM <= 0.20, which allocated them
-    beside it); nvlink: the tp group talks over NVLink (False: PCIe)."""
+    beside it); nvlink: the tp group talks over NVLink (False: PCIe); kv_token_scales: an fp8 /
+    int8 KV cache with a scale per token and KV head, Nightshift's layout (False: vLLM's, one
+    per layer)."""
     kv_dtype = normalize_dtype(kv_dtype or compute_dtype(dtype), KV_DTYPE_BYTES)
     max_model_len = max_model_len or spec.max_position_embeddings
     _check_args(spec, utilization, block_size, max_model_len, max_num_batched_tokens, max_num_seqs)
@@ -303,7 +318,7 @@ def plan_memory(
     activation = activation_peak_bytes(spec, max_num_batched_tokens, max_num_seqs, dtype, tp)
     items = overheads(spec, tp, cuda_graphs, nvlink)
     overhead = items.total
-    per_token = kv_bytes_per_token(spec, kv_dtype, tp)
+    per_token = kv_bytes_per_token(spec, kv_dtype, tp, token_scales=kv_token_scales)
     budget = math.floor(utilization * gpu_memory_bytes)
     where = f"{spec.name} ({dtype}, tp={tp}) on {_gib(gpu_memory_bytes)} GiB"
     warnings: tuple[str, ...] = ()

@@ -39,10 +39,17 @@ def serve_command(plan: GpuPlan, settings: PlanSettings, model_name: str) -> Ser
         caveats.append(
             f"{settings.dtype} weights: the engine loads bf16, fp16 or fp32 checkpoints only"
         )
-    if settings.kv_cache_dtype is not None and settings.kv_cache_dtype != dtype:
+    kv = settings.kv_cache_dtype
+    if kv in ("fp8", "int8"):
+        args += ["--kv-cache-dtype", kv]
         caveats.append(
-            f"KV cache in {settings.kv_cache_dtype}: the engine keeps K/V in the compute dtype"
+            f"KV cache in {kv}: the engine keeps a float32 scale per token and KV head beside "
+            f"the codes (vLLM's fp8 one per layer), so its pool holds a few percent fewer blocks "
+            f"than planned (4 bytes per head_dim bytes; plan_memory(kv_token_scales=True) has "
+            f"its exact count)"
         )
+    elif kv is not None and kv != dtype:
+        caveats.append(f"KV cache in {kv}: the engine keeps K/V in the compute dtype, fp8 or int8")
     args += [
         "--block-size",
         str(settings.block_size),

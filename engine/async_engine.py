@@ -62,6 +62,7 @@ class EngineInfo:
     max_request_tokens: int
     num_kv_blocks: int
     block_size: int
+    kv_cache_dtype: str  # auto (the model's dtype), fp8 or int8
     vocab_size: int
     hidden_size: int  # the width of the model's hidden states (and of its embeddings)
     speculative: bool  # a proposer drafts tokens (usage reports accepted/rejected predictions)
@@ -453,6 +454,7 @@ def _info(config: EngineConfig, engine: LLMEngine) -> EngineInfo:
         max_request_tokens=core.max_request_tokens,
         num_kv_blocks=core.num_blocks,
         block_size=config.block_size,
+        kv_cache_dtype=config.kv_cache_dtype,
         vocab_size=core.vocab_size,
         hidden_size=core.hidden_size,
         speculative=core.proposer is not None,

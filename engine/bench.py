@@ -41,6 +41,7 @@ class BenchConfig:
     skip_hf: bool = False
     skip_batch1: bool = False
     quantization: str | None = None  # the engine's weights: None (float32), int8, int4, fp8
+    kv_cache_dtype: str = "auto"  # the engine's KV pool: auto (float32), fp8, int8
     json_out: str | None = None
     batch1_prompt: int = 400
     batch1_output: int = 128
@@ -327,6 +328,7 @@ def _engine(cfg: BenchConfig, model_dir, **options):
         max_model_len=_max_model_len(cfg),
         seed=cfg.seed,
         quantization=cfg.quantization,
+        kv_cache_dtype=cfg.kv_cache_dtype,
         **options,
     )
 

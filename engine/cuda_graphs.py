@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from engine.attention.kv_quant import LayerKVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.models.llama import LlamaModel
 
@@ -34,7 +35,7 @@ class CudaGraphRunner:
     def __init__(
         self,
         model: LlamaModel,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,

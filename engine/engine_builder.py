@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.attention.kv_quant import kv_cache_format
 from engine.config import EngineConfig
 from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
 from engine.distributed.rendezvous import Rendezvous, env_rendezvous, join_timeout
@@ -87,8 +88,8 @@ def build_engine_core(
         executor.shutdown()
         raise
     logger.info(
-        "engine: %s on %s/%s (%s kernels, tensor parallel %d), %d KV blocks x %d tokens, "
-        "max_model_len %d",
+        "engine: %s on %s/%s (%s kernels, tensor parallel %d), %d KV blocks x %d tokens "
+        "(kv_cache_dtype %s: %s), max_model_len %d",
         model_dir,
         device,
         placement.dtype,
@@ -96,6 +97,8 @@ def build_engine_core(
         config.tensor_parallel_size,
         executor.num_blocks,
         config.block_size,
+        config.kv_cache_dtype,
+        kv_cache_format(config.kv_cache_dtype, placement.dtype).describe(),
         placement.max_model_len,
     )
     return core
@@ -145,7 +148,7 @@ def build_executor(config: EngineConfig, placement: Placement) -> Executor:
         group_size=placement.quant_group_size,
     )
     num_blocks, _ = kv_blocks(config, model, placement)
-    executor = UniprocExecutor(model, num_blocks, config.block_size)
+    executor = UniprocExecutor(model, num_blocks, config.block_size, config.kv_cache_dtype)
     if capture_graphs(config, placement):
         executor.runner.capture_cuda_graphs(placement.max_model_len, config.max_num_seqs)
     return executor
@@ -167,10 +170,7 @@ def kv_blocks(
     profiling, the memory profile it came from."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, None
-    # A draft model keeps K/V for the same blocks: a block costs both models' bytes.
-    per_token = 2 * model.config.num_layers * model.num_kv_heads * model.config.head_dim
-    per_token += draft_kv_elements_per_token(config)
-    bytes_per_block = config.block_size * per_token * placement.dtype.itemsize
+    bytes_per_block = kv_bytes_per_block(config, model, placement)
     budget = config.kv_cache_memory
     if budget is None and placement.device.type == "cuda":
         profile = profile_gpu_memory(
@@ -198,12 +198,20 @@ def kv_blocks(
     return int(blocks), None
 
 
-def draft_kv_elements_per_token(config: EngineConfig) -> int:
-    if config.speculative != "draft":
-        return 0
-    from engine.model_fetch import resolve_model
+def kv_bytes_per_block(config: EngineConfig, model: LlamaModel, placement: Placement) -> int:
+    """One block of this rank's pool (its KV heads) in config.kv_cache_dtype, scales included;
+    capacity.memory.kv_bytes_per_token(..., token_scales=True) models the same bytes."""
+    fmt = kv_cache_format(config.kv_cache_dtype, placement.dtype)
+    per_token = fmt.bytes_per_token(
+        model.config.num_layers, model.num_kv_heads, model.config.head_dim
+    )
+    # A draft model keeps K/V for the same blocks, in the same format: a block costs both.
+    if config.speculative == "draft":
+        from engine.model_fetch import resolve_model
 
-    return load_model_config(resolve_model(config.draft_model)).kv_bytes_per_token
+        draft = load_model_config(resolve_model(config.draft_model))
+        per_token += fmt.bytes_per_token(draft.num_layers, draft.num_kv_heads, draft.head_dim)
+    return config.block_size * per_token
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -23,7 +23,7 @@ class LLM:
         max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching, seed,
         profile_path, num_threads, attention_backend, enforce_eager, speculative,
         num_speculative_tokens, draft_model, prompt_lookup_min, prompt_lookup_max,
-        tensor_parallel_size)."""
+        tensor_parallel_size, quantization, quant_group_size, kv_cache_dtype)."""
         config = EngineConfig(model=str(model), **options)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()

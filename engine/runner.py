@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.attention.kv_quant import LayerKVCache, allocate_layer, kv_cache_format
 from engine.attention.metadata import AttentionMetadata
 from engine.models.llama import LlamaModel
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -65,12 +66,14 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         broadcast: Callable[[StepInput], None] | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """broadcast: hands each step's input to the other tensor-parallel ranks before this
-        rank runs it (they run the same forward: its collectives need every rank)."""
+        rank runs it (they run the same forward: its collectives need every rank).
+        kv_cache_dtype: auto (the model's dtype), fp8 or int8 (engine/attention/kv_quant.py)."""
         self.model = model
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, kv_cache_dtype)
         self.broadcast = broadcast
         self.graphs: CudaGraphRunner | None = None  # set by capture_cuda_graphs (GPU only)
 
@@ -206,15 +209,15 @@ class ModelRunner:
 
 
 def allocate_kv_caches(
-    model: LlamaModel, num_blocks: int, block_size: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The model's K and V pool per layer: [num_blocks, block_size, Hkv, D] each, zeroed."""
+    model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+) -> list[LayerKVCache]:
+    """The model's K and V pool per layer: [num_blocks, block_size, Hkv, D] each, zeroed, in
+    the model's dtype or as fp8/int8 codes with their scales."""
+    fmt = kv_cache_format(kv_cache_dtype, model.dtype)
     # This rank's KV heads: all of them, or its share under tensor parallelism.
-    shape = (num_blocks, block_size, model.num_kv_heads, model.config.head_dim)
     return [
-        (
-            torch.zeros(shape, dtype=model.dtype, device=model.device),
-            torch.zeros(shape, dtype=model.dtype, device=model.device),
+        allocate_layer(
+            fmt, num_blocks, block_size, model.num_kv_heads, model.config.head_dim, model.device
         )
         for _ in range(model.config.num_layers)
     ]

@@ -23,6 +23,10 @@ QUANTIZATION_OPTION = typer.Option(
     "a float checkpoint is quantized at load.",
 )
 QUANT_GROUP_OPTION = typer.Option(help="int4: input elements per scale (32, 64 or 128).")
+KV_CACHE_DTYPE_OPTION = typer.Option(
+    help="KV cache: auto (the model's dtype), fp8 (e4m3) or int8, each with a float32 scale per "
+    "token and KV head (about 2x the blocks of bf16, 4x of float32, in the same memory).",
+)
 
 
 @app.callback()
@@ -86,6 +90,7 @@ def generate(
     device: Annotated[str, typer.Option(help="auto, cpu, cuda.")] = "auto",
     quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
     quant_group_size: Annotated[int, QUANT_GROUP_OPTION] = 32,
+    kv_cache_dtype: Annotated[str, KV_CACHE_DTYPE_OPTION] = "auto",
 ) -> None:
     """Generate one answer with the engine and print it (the main job until the digest lands)."""
     import time
@@ -104,6 +109,7 @@ def generate(
             device=device,
             quantization=quantization,
             quant_group_size=quant_group_size,
+            kv_cache_dtype=kv_cache_dtype,
         )
         start = time.perf_counter()
         if raw:
@@ -247,6 +253,7 @@ def serve(
     ] = 1,
     quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
     quant_group_size: Annotated[int, QUANT_GROUP_OPTION] = 32,
+    kv_cache_dtype: Annotated[str, KV_CACHE_DTYPE_OPTION] = "auto",
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
@@ -285,6 +292,7 @@ def serve(
             tensor_parallel_size=tensor_parallel_size,
             quantization=quantization,
             quant_group_size=quant_group_size,
+            kv_cache_dtype=kv_cache_dtype,
         )
         key = resolve_api_key(api_key, api_key_file)
         if data_parallel_size > 1:  # N engines and the router (engine/router/data_parallel.py)
@@ -358,6 +366,7 @@ def bench_engine(
         ),
     ] = 1,
     quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
+    kv_cache_dtype: Annotated[str, KV_CACHE_DTYPE_OPTION] = "auto",
 ) -> None:
     """Engine vs HF transformers generate on a mixed workload and at batch 1, one run."""
     from engine.bench import BenchConfig, run_bench
@@ -376,6 +385,7 @@ def bench_engine(
         skip_batch1=skip_batch1,
         json_out=json_out,
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
     )
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
         run_bench(config, echo=typer.echo)

@@ -20,8 +20,11 @@ class AttentionBackend(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Store this step's K/V ([T, Hkv, D]) at meta.slot_mapping in the pool."""
+        """Store this step's K/V ([T, Hkv, D]) at meta.slot_mapping in the pool; an fp8/int8
+        pool stores codes and kv_scales (K's, V's) their per-(token, KV head) scales
+        (engine/attention/kv_quant.py)."""
 
     def forward(
         self,
@@ -30,5 +33,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool."""
+        """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool (dequantized
+        with kv_scales when given)."""

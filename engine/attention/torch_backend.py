@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention.kv_quant import copyable, dequantize_kv, quantize_kv
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -25,11 +26,19 @@ class TorchAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Store this step's K/V ([T, Hkv, D]) into the pool ([blocks, block_size, Hkv, D])."""
+        """Store this step's K/V ([T, Hkv, D]) into the pool ([blocks, block_size, Hkv, D]);
+        an fp8/int8 pool gets codes, and kv_scales ([blocks, block_size, Hkv] each) their
+        scales (engine/attention/kv_quant.py)."""
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        slots = meta.slot_mapping
+        for x, cache, i in ((k, k_cache, 0), (v, v_cache, 1)):
+            if kv_scales is not None:
+                x, scale = quantize_kv(x, cache.dtype)
+                kv_scales[i].view(-1, num_kv_heads).index_copy_(0, slots, scale)
+                x, cache = copyable(x), copyable(cache)
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
 
     def forward(
         self,
@@ -38,27 +47,29 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool only."""
+        """q [T, Hq, D] -> attention output [T, Hq, D], reading K/V from the pool only (an
+        fp8/int8 pool's codes dequantized with kv_scales after the gather)."""
         out = torch.empty_like(q)
+        pools = _Pools(k_cache, v_cache, kv_scales)
         buckets, long_chunks = self._plan(meta, q.shape[1] // k_cache.shape[2])
         for b in buckets:
-            out[b.start : b.end] = self._batched(q[b.start : b.end], k_cache, v_cache, b, scale)
+            out[b.start : b.end] = self._batched(q[b.start : b.end], pools, b, scale)
         for r in long_chunks:
             start, end = meta.query_start_loc[r], meta.query_start_loc[r + 1]
-            out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, r, scale)
+            out[start:end] = self._prefill(q[start:end], pools, meta, r, scale)
         return out
 
     def _batched(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        pools: _Pools,
         bucket: _Bucket,
         scale: float,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = k_cache.shape[2]
+        num_kv_heads = pools.k.shape[2]
         group = num_heads // num_kv_heads
         q_len = bucket.q_len
         n = num_tokens // q_len
@@ -66,8 +77,9 @@ class TorchAttentionBackend:
         # per KV head) form the query "length" axis, so GQA needs no K/V expansion. index_select
         # copies whole blocks (block_size * Hkv * D contiguous elements each): several times
         # faster than advanced indexing here.
-        keys = k_cache.index_select(0, bucket.blocks).view(n, -1, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, bucket.blocks).view(n, -1, num_kv_heads, head_dim)
+        keys, values = pools.gather(bucket.blocks, q.dtype)
+        keys = keys.view(n, -1, num_kv_heads, head_dim)
+        values = values.view(n, -1, num_kv_heads, head_dim)
         qg = (
             q.view(n, q_len, num_kv_heads, group, head_dim)
             .transpose(1, 2)
@@ -126,18 +138,18 @@ class TorchAttentionBackend:
     def _prefill(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        pools: _Pools,
         meta: AttentionMetadata,
         r: int,
         scale: float,
     ) -> torch.Tensor:
         q_len = q.shape[0]
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        num_kv_heads, head_dim = pools.k.shape[2], pools.k.shape[3]
         seq_len = meta.seq_lens_list[r]
         blocks, mask = self._prefill_inputs(meta, r, q_len)
-        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        keys, values = pools.gather(blocks, q.dtype)
+        keys = keys.view(-1, num_kv_heads, head_dim)[:seq_len]
+        values = values.view(-1, num_kv_heads, head_dim)[:seq_len]
         keys, values = keys.transpose(0, 1), values.transpose(0, 1)
         # 4-D inputs: torch's CPU flash kernel takes them (3-D ones fall back to the unfused math
         # path, 3x slower here); enable_gqa lets each KV head serve its group of query heads.
@@ -170,6 +182,25 @@ def _length_runs(seq_lens: list[int]) -> list[tuple[int, int]]:
             runs.append((start, i))
             start = i
     return runs
+
+
+@dataclass(slots=True)
+class _Pools:
+    """A layer's K and V pools, with their scales when they hold fp8/int8 codes."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None
+
+    def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """Whole blocks of K and V ([len(blocks), block_size, Hkv, D] each), in dtype. Codes are
+        gathered first and dequantized after: the copy moves one byte an element, and only the
+        attended blocks are converted."""
+        keys, values = self.k.index_select(0, blocks), self.v.index_select(0, blocks)
+        if self.scales is None:
+            return keys, values
+        k_scale, v_scale = (s.index_select(0, blocks) for s in self.scales)
+        return dequantize_kv(keys, k_scale, dtype), dequantize_kv(values, v_scale, dtype)
 
 
 @dataclass(slots=True)

@@ -40,9 +40,11 @@ class TritonAttentionBackend:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Store this step's K/V ([T, Hkv, D]) into the pool ([blocks, block_size, Hkv, D])."""
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        """Store this step's K/V ([T, Hkv, D]) into the pool ([blocks, block_size, Hkv, D]),
+        quantized when kv_scales are given."""
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
 
     def forward(
         self,
@@ -51,10 +53,11 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D] -> attention output [T, Hq, D] (written into out when given), reading
-        K/V from the pool only."""
+        K/V from the pool only (fp8/int8 codes dequantized with kv_scales in the kernels)."""
         if out is None:
             out = torch.empty_like(q)
         inputs = _launch_inputs(meta, q.device)
@@ -70,6 +73,7 @@ class TritonAttentionBackend:
                 max_seq_len=inputs.max_decode_len,
                 partition_size=self.partition_size,
                 out=out[:nd],
+                kv_scales=kv_scales,
             )
         if inputs.prefill_query_start_loc is not None:
             start = inputs.prefill_start
@@ -83,6 +87,7 @@ class TritonAttentionBackend:
                 scale,
                 max_q_len=inputs.max_q_len,
                 out=out[start:],
+                kv_scales=kv_scales,
             )
         return out
 

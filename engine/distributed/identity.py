@@ -31,6 +31,7 @@ OPTIONS = {
     "max_model_len": "--max-model-len",
     "block_size": "--block-size",
     "kernels": "--attention-backend",
+    "kv_cache_dtype": "--kv-cache-dtype",
 }
 
 
@@ -43,6 +44,7 @@ class RankIdentity:
     block_size: int
     kernels: str
     model_dir: str  # not compared (each machine has its own path): named in the message
+    kv_cache_dtype: str = "auto"  # every rank's pool holds its heads in the same format
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -68,6 +70,7 @@ def rank_identity(config, placement) -> RankIdentity:
         block_size=config.block_size,
         kernels=placement.kernels,
         model_dir=str(placement.model_dir),
+        kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

@@ -109,7 +109,9 @@ class MultiprocExecutor:
         finally:
             self._built.set()
         self.model = model
-        self.runner = ModelRunner(model, self.num_blocks, config.block_size, self._send_step)
+        self.runner = ModelRunner(
+            model, self.num_blocks, config.block_size, self._send_step, config.kv_cache_dtype
+        )
         logger.info("tensor parallel: %d ranks (%s)", size, "env://" if env else "local workers")
 
     @staticmethod

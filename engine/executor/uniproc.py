@@ -8,10 +8,12 @@ from engine.scheduler import SchedulerOutput
 
 
 class UniprocExecutor:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> None:
         self.model = model
         self.num_blocks = num_blocks
-        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_cache_dtype=kv_cache_dtype)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)

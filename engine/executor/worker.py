@@ -97,7 +97,7 @@ def _serve_steps(
         join_timeout=join_timeout,
         liveness=lambda: start_heartbeat(rv, stop),
     )
-    runner = ModelRunner(model, num_blocks, config.block_size)
+    runner = ModelRunner(model, num_blocks, config.block_size, kv_cache_dtype=config.kv_cache_dtype)
     logger.info("tensor-parallel rank %d/%d ready: %d KV blocks", rv.rank, rv.size, num_blocks)
     defer_stop_signals(rv.rank)
     with torch.inference_mode():

@@ -26,6 +26,13 @@ Prefill (`paged_prefill`), grid (num_requests, cdiv(max_q_len, BLOCK_Q), Hkv):
     position seq_len - q_len + t (the earlier context is already in the pool) and sees keys up to
     and including itself. Programs past the end of a shorter chunk exit at once.
 
+Quantized pools (fp8 / int8 codes with a float32 scale per key position and KV head, in scale
+pools [num_blocks, block_size, Hkv]; engine/attention/kv_quant.py): a tile's K scales multiply
+its logits after q @ k (a scale per key: q . (c s) = (q . c) s, and the codes enter the dot
+unchanged: e4m3 and int8 codes are exact in fp16/bf16); its V rows are dequantized in fp32 as they
+are loaded (scaling the probabilities instead, p_j s_j, would underflow fp16 for small values).
+The dots run in q's dtype.
+
 Numerics: loads are converted to fp32 right away (the interpreter computes bf16 wrongly); the
 dots take fp16/bf16 operands on a GPU (tensor cores; the probabilities are rounded to the input
 dtype for P @ V, as FlashAttention does) and fp32 with IEEE precision (no TF32) for fp32 inputs
@@ -39,6 +46,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from engine.attention.kv_quant import check_scale_pools
 
 # triton.jit picks the interpreter when the kernel is defined, from this variable.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -107,19 +116,24 @@ def _attend_tile(
     l_i,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     k_offs,
     v_offs,
+    s_offs,
     valid,
     allowed,
     qk_scale,
     offs_d,
     d_mask,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     """One online-softmax step of the rows of q ([M, D], dot dtype) over a tile of keys.
 
-    k_offs / v_offs [N] locate the tile's keys, valid [N] masks its loads, allowed [M, N] says
-    which row may see which key. Returns the updated (acc [M, D], m_i [M], l_i [M])."""
+    k_offs / v_offs [N] locate the tile's keys (s_offs their scales, when QUANT), valid [N]
+    masks its loads, allowed [M, N] says which row may see which key. Returns the updated
+    (acc [M, D], m_i [M], l_i [M])."""
     # K is loaded transposed, [D, N], ready for q @ k.
     k = tl.load(
         k_cache_ptr + k_offs[None, :] + offs_d[:, None],
@@ -129,7 +143,9 @@ def _attend_tile(
     if DOT_FP32:
         s = tl.dot(q, k, input_precision="ieee")
     else:
-        s = tl.dot(q, k.to(v_cache_ptr.dtype.element_ty))
+        s = tl.dot(q, k.to(q.dtype))
+    if QUANT:  # each key's dequantization scale
+        s = s * tl.load(k_scale_ptr + s_offs, mask=valid, other=0.0)[None, :]
     # Scale after the dot: scaling q first would round it once more in fp16/bf16.
     s = tl.where(allowed, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -141,12 +157,13 @@ def _attend_tile(
         mask=valid[:, None] & d_mask[None, :],
         other=0.0,
     ).to(tl.float32)
+    if QUANT:  # dequantized in fp32 before any rounding to the dot dtype
+        v = v * tl.load(v_scale_ptr + s_offs, mask=valid, other=0.0)[:, None]
     acc = acc * alpha[:, None]
     if DOT_FP32:
         acc = tl.dot(p, v, acc, input_precision="ieee")
     else:
-        dot_ty = v_cache_ptr.dtype.element_ty
-        acc = tl.dot(p.to(dot_ty), v.to(dot_ty), acc)
+        acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
     return acc, m_new, l_i
 
 
@@ -155,6 +172,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -172,6 +191,8 @@ def _decode_kernel(
     stride_vc_b,
     stride_vc_s,
     stride_vc_h,
+    stride_s_b,
+    stride_s_s,
     stride_bt,
     num_heads,
     max_parts,
@@ -184,6 +205,7 @@ def _decode_kernel(
     PARTITION_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     r = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -206,7 +228,7 @@ def _decode_kernel(
         other=0.0,
     ).to(tl.float32)
     if not DOT_FP32:
-        q = q.to(v_cache_ptr.dtype.element_ty)
+        q = q.to(out_ptr.dtype.element_ty)
 
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_G], _NEG_BIG, dtype=tl.float32)
@@ -221,9 +243,12 @@ def _decode_kernel(
         v_offs = _kv_tile_offsets(
             bt_row, pos, valid, kv_head, stride_vc_b, stride_vc_s, stride_vc_h, BLOCK_SIZE
         )
+        s_offs = _kv_tile_offsets(
+            bt_row, pos, valid, kv_head, stride_s_b, stride_s_s, 1, BLOCK_SIZE
+        )
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_offs, v_offs, valid,
-            valid[None, :], qk_scale, offs_d, d_mask, DOT_FP32,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_offs,
+            v_offs, s_offs, valid, valid[None, :], qk_scale, offs_d, d_mask, DOT_FP32, QUANT,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -302,6 +327,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -317,6 +344,8 @@ def _prefill_kernel(
     stride_vc_b,
     stride_vc_s,
     stride_vc_h,
+    stride_s_b,
+    stride_s_s,
     stride_bt,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -326,6 +355,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     r = tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -354,7 +384,7 @@ def _prefill_kernel(
         other=0.0,
     ).to(tl.float32)  # fmt: skip
     if not DOT_FP32:
-        q = q.to(v_cache_ptr.dtype.element_ty)
+        q = q.to(out_ptr.dtype.element_ty)
     q_pos = context_len + tok
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -372,10 +402,13 @@ def _prefill_kernel(
         v_offs = _kv_tile_offsets(
             bt_row, pos, valid, kv_head, stride_vc_b, stride_vc_s, stride_vc_h, BLOCK_SIZE
         )
+        s_offs = _kv_tile_offsets(
+            bt_row, pos, valid, kv_head, stride_s_b, stride_s_s, 1, BLOCK_SIZE
+        )
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_offs, v_offs, valid,
-            allowed, qk_scale, offs_d, d_mask, DOT_FP32,
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, k_offs,
+            v_offs, s_offs, valid, allowed, qk_scale, offs_d, d_mask, DOT_FP32, QUANT,
         )  # fmt: skip
 
     out = acc / l_i[:, None]
@@ -406,6 +439,17 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     return num_heads // num_kv_heads
 
 
+def _scale_args(
+    k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, int, int, bool]:
+    """(K scales, V scales, their block and slot strides, QUANT) for a launch; an unquantized
+    pool passes its own tensors, never read."""
+    if not check_scale_pools(k_cache, kv_scales):
+        return k_cache, k_cache, 0, 0, False
+    k_scale, v_scale = kv_scales
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), True
+
+
 def _tile_sizes(head_dim: int) -> tuple[int, int]:
     """(BLOCK_D, default BLOCK_N): keys per tile shrink for big heads to bound registers."""
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -424,13 +468,16 @@ def paged_decode(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per request. q [N, Hq, D]; block_tables [N, max_blocks] and
     seq_lens [N] (context lengths including the token itself) on q's device. max_seq_len (the
     longest context, which sizes the grid) avoids a device sync when given. partition_size, a
     power of two >= 16, is the split-K partition; contexts longer than it are split and reduced.
-    Writes into out ([N, Hq, D], may be a view) when given; returns it."""
+    Writes into out ([N, Hq, D], may be a view) when given; returns it. kv_scales: the K and V
+    scale pools of an fp8/int8 pool ([num_blocks, block_size, Hkv] float32 each)."""
     group = _check_shapes(q, k_cache, v_cache)
+    k_scale, v_scale, stride_s_b, stride_s_s, quant = _scale_args(k_cache, kv_scales)
     if partition_size < 16 or partition_size & (partition_size - 1):
         raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
     if q.stride(-1) != 1:
@@ -457,16 +504,16 @@ def paged_decode(
     else:  # unused by the kernel
         part_out = part_max = part_sum = out
     _decode_kernel[(num_reqs, k_cache.shape[2], max_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_max, part_sum,
-        scale * _LOG2E,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, out, part_out, part_max,
+        part_sum, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_s_b, stride_s_s,
         block_tables.stride(0), num_heads, max_parts,
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_SIZE=k_cache.shape[1], PARTITION_SIZE=partition_size, SPLIT=split,
-        DOT_FP32=_dot_in_fp32(q.dtype), num_warps=4,
+        DOT_FP32=_dot_in_fp32(q.dtype), QUANT=quant, num_warps=4,
     )  # fmt: skip
     if split:
         _decode_reduce_kernel[(num_reqs, num_heads)](
@@ -492,14 +539,17 @@ def paged_prefill(
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of prefill chunks whose earlier context may already be in the pool.
     q [T, Hq, D] holds the chunks back to back: request r's rows are
     query_start_loc[r]:query_start_loc[r + 1] (an int tensor [R + 1] on q's device, starting at
     0); seq_lens [R] counts each request's context including its chunk; block_tables [R, max
     blocks]. max_q_len (the longest chunk, which sizes the grid) avoids a device sync when given.
-    Writes into out ([T, Hq, D], may be a view) when given; returns it."""
+    Writes into out ([T, Hq, D], may be a view) when given; returns it. kv_scales: as
+    paged_decode's."""
     group = _check_shapes(q, k_cache, v_cache)
+    k_scale, v_scale, stride_s_b, stride_s_s, quant = _scale_args(k_cache, kv_scales)
     if q.stride(-1) != 1:
         q = q.contiguous()
     head_dim = q.shape[2]
@@ -515,14 +565,14 @@ def paged_prefill(
     block_m = max(block_m or (64 if block_d <= 128 else 32), 16, triton.next_power_of_2(group))
     block_q = block_m // group
     _prefill_kernel[(num_reqs, triton.cdiv(max_q_len, block_q), k_cache.shape[2])](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), stride_s_b, stride_s_s,
         block_tables.stride(0),
         HEAD_DIM=head_dim, BLOCK_D=block_d, GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q,
         BLOCK_N=block_n or default_n, BLOCK_SIZE=k_cache.shape[1],
-        DOT_FP32=_dot_in_fp32(q.dtype), num_warps=4 if block_d <= 128 else 8,
+        DOT_FP32=_dot_in_fp32(q.dtype), QUANT=quant, num_warps=4 if block_d <= 128 else 8,
     )  # fmt: skip
     return out

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.kv_quant import LayerKVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import SINGLE, TensorParallel
@@ -113,7 +114,7 @@ class LlamaModel:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
@@ -155,7 +156,7 @@ class LlamaModel:
         x: torch.Tensor,
         layer: LayerWeights,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         cfg = self.config
@@ -180,9 +181,10 @@ class LlamaModel:
         qk = self.ops.rotary(qk, rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.forward(q, k_cache, v_cache, meta, self.scale)
+        # An fp8/int8 pool carries its scales (engine/attention/kv_quant.py); else None.
+        scales = kv_cache.scales
+        self.backend.write_kv(k, v, kv_cache.k, kv_cache.v, meta, scales)
+        out = self.backend.forward(q, kv_cache.k, kv_cache.v, meta, self.scale, kv_scales=scales)
         # o is row-parallel: each rank's heads give a partial sum.
         return self.tp.all_reduce(linear(out.view(num_tokens, self.q_size), layer.o_proj))
 

@@ -203,9 +203,10 @@ class ServerMetrics:
         Gauge(
             "vllm:cache_config_info",
             "Information of the KV cache configuration.",
-            [*LABELS, "block_size", "num_gpu_blocks"],
+            # vLLM's label names: cache_dtype is its --kv-cache-dtype (auto, fp8, ...).
+            [*LABELS, "block_size", "cache_dtype", "num_gpu_blocks"],
             registry=r,
-        ).labels(*vllm, str(info.block_size), str(info.num_kv_blocks)).set(1)
+        ).labels(*vllm, str(info.block_size), info.kv_cache_dtype, str(info.num_kv_blocks)).set(1)
 
         # Tokens, counted on the engine thread as they are made (vLLM's semantics: an aborted
         # request's tokens count too). nightshift:* are the deprecated names.

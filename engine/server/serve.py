@@ -155,14 +155,15 @@ def serve(
     info = engine.info
     name = served_model_name or config.model
     logger.info(
-        "serving %s as %r on http://%s:%d: %d KV blocks x %d tokens; the largest request that "
-        "fits has %d tokens",
+        "serving %s as %r on http://%s:%d: %d KV blocks x %d tokens (kv_cache_dtype %s); the "
+        "largest request that fits has %d tokens",
         config.model,
         name,
         host,
         port,
         info.num_kv_blocks,
         info.block_size,
+        info.kv_cache_dtype,
         info.max_request_tokens,
     )
     app = create_app(

@@ -32,11 +32,19 @@ class _DraftState:
 
 
 class DraftProposer:
-    def __init__(self, model: LlamaModel, kv: KVCacheManager, num_blocks: int, block_size: int):
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+    ):
+        """kv_cache_dtype: the target's (the KV budget counts the draft's blocks in it too)."""
         self.model = model
         self.kv = kv
         self.block_size = block_size
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, kv_cache_dtype)
         self._state: dict[str, _DraftState] = {}
 
     def propose(self, requests: list[tuple[Request, int]]) -> None:

@@ -30,4 +30,4 @@ def build_proposer(config: EngineConfig, core, placement) -> Proposer | None:
     from engine.spec.draft import DraftProposer, load_draft_model
 
     model = load_draft_model(Path(config.draft_model), core, placement)
-    return DraftProposer(model, core.kv, core.num_blocks, config.block_size)
+    return DraftProposer(model, core.kv, core.num_blocks, config.block_size, config.kv_cache_dtype)
