@@ -361,7 +361,8 @@ def _ours_chunked(
     llm = _engine(cfg, model_dir, max_model_len)
     try:
         tokenizer = llm.get_tokenizer()
-        tokens = tokenizer.encode(stream)
+        # verbose=False: the stream is meant to exceed the model's context; it is cut below.
+        tokens = tokenizer.encode(stream, verbose=False)
         bos = tokenizer.bos_token_id
         adds_bos = bos is not None and tokens[:1] == [bos]
         chunks = llama_chunks(tokens, cfg.llama_ctx, bos if adds_bos else None)
