@@ -1,14 +1,13 @@
 """Int8 weights: w[o, i] = scale[o, i // group] * q[o, i], q in [-127, 127].
 
 Per output channel (group = the input width) is what `--quantization int8` makes; groups of 32
-are what a GGUF's Q8_0 blocks hold (loaded as they are, engine/quant/gguf_blocks.py).
+are what a GGUF's Q8_0 blocks hold (loaded as they are, engine/quant/gguf_blocks.py; on the CPU
+their matmul runs on a per-channel requantization, see _cpu_matmul).
 
 The matmul on CPU is torch's `_weight_int8pack_mm` with bfloat16 activations: measured on this
 class of CPU (AVX512-BF16) it reads the int8 weight at one row about 1.8x faster than oneDNN's
 float32 linear reads a float32 one (63 vs 112 us for a 3072 x 576 weight), while its float32
-path is ten times slower and float16 fifty. Group-wise weights run it once per group (the kernel
-takes one scale per output channel), which the K-major copy made at load keeps contiguous.
-On a GPU it is the Triton W8A16 kernel (engine/kernels/quant_matmul.py)."""
+path is ten times slower and float16 fifty. On a GPU it is the Triton W8A16 kernel (engine/kernels/quant_matmul.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ class Int8Weight:
     scale: torch.Tensor  # float32 [out, in // group]
     group: int
     _kernel_scale: torch.Tensor | None = field(default=None, repr=False)
-    _groups_q: torch.Tensor | None = field(default=None, repr=False)  # [groups, out, group]
+    _groups_q: torch.Tensor | None = field(default=None, repr=False)  # per-channel codes
 
     def __post_init__(self) -> None:
         out, cols = self.q.shape
@@ -82,19 +81,14 @@ class Int8Weight:
             if self._kernel_scale is None:
                 self._kernel_scale = self.scale[:, 0].to(torch.bfloat16)
             return torch.ops.aten._weight_int8pack_mm(x, self.q, self._kernel_scale)
+        # The kernel takes one scale per output row. Running it once per 32-wide group (a
+        # GGUF's Q8_0 LM head: 18 calls over 49152 rows) measured 20x slower than one call, so
+        # the matmul uses a per-row requantization of these values, made once; lookups (rows)
+        # and dequantize keep the exact group-wise values.
         if self._groups_q is None:
-            n = cols // self.group
-            self._groups_q = self.q.view(out, n, self.group).transpose(0, 1).contiguous()
-            self._kernel_scale = self.scale.t().contiguous().to(torch.bfloat16)  # [groups, out]
-        y = None
-        for g in range(self._groups_q.shape[0]):
-            part = torch.ops.aten._weight_int8pack_mm(
-                x[:, g * self.group : (g + 1) * self.group].contiguous(),
-                self._groups_q[g],
-                self._kernel_scale[g],
-            ).float()
-            y = part if y is None else y.add_(part)
-        return y
+            channel = quantize_int8(self.dequantize())
+            self._groups_q, self._kernel_scale = channel.q, channel.scale[:, 0].to(torch.bfloat16)
+        return torch.ops.aten._weight_int8pack_mm(x, self._groups_q, self._kernel_scale)
 
     def to(self, device: torch.device) -> Int8Weight:
         return Int8Weight(self.q.to(device), self.scale.to(device), self.group)
