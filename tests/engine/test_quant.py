@@ -220,3 +220,11 @@ def test_malformed_quantized_folder_is_named(tiny: Path, tmp_path: Path) -> None
     (dst / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="not one this engine reads"):
         load_model(dst, torch.float32, torch.device("cpu"), 64)
+
+
+def test_generate_and_serve_refuse_an_unknown_quantization(tiny: Path) -> None:
+    runner = CliRunner()
+    for command in (["generate", "hi", "--raw"], ["serve"]):
+        result = runner.invoke(app, [*command, "--model", str(tiny), "--quantization", "int3"])
+        assert result.exit_code == 2, result.output
+        assert "quantization must be one of none, int8, int4, fp8" in result.output
