@@ -412,31 +412,48 @@ def check_decode(check: Check, bandwidth: float) -> None:
                     note=f"KV of {need / 2**30:.0f} GiB does not fit beside the weights",
                 )
                 continue
-            seconds = _decode_step_time(check, model, cfg, batch, ctx, bs)
-            floor = (weights + batch * ctx * kv_per_token) / bandwidth
-            check.add(
-                "decode",
-                batch=batch,
-                context=ctx,
-                step_ms=seconds * 1000,
-                tokens_per_s=batch / seconds,
-                roofline=floor / seconds,
-                passed=None,
-            )
+            for kv_dtype in ("auto", "fp8"):
+                from engine.attention.kv_quant import kv_cache_format
+
+                per_token = kv_cache_format(kv_dtype, check.dtype).bytes_per_token(
+                    cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+                )
+                seconds = _decode_step_time(check, model, cfg, batch, ctx, bs, kv_dtype)
+                floor = (weights + batch * ctx * per_token) / bandwidth
+                check.add(
+                    "decode",
+                    batch=batch,
+                    context=ctx,
+                    kv_cache_dtype=kv_dtype,
+                    step_ms=seconds * 1000,
+                    tokens_per_s=batch / seconds,
+                    roofline=floor / seconds,
+                    passed=None,
+                )
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def _decode_step_time(check: Check, model, cfg, batch: int, ctx: int, bs: int) -> float:  # noqa: ANN001
+def _decode_step_time(
+    check: Check,
+    model,
+    cfg,
+    batch: int,
+    ctx: int,
+    bs: int,
+    kv_dtype: str = "auto",  # noqa: ANN001
+) -> float:
     blocks = batch * -(-(ctx + 1) // bs)
     shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    kv = [
-        (
-            torch.randn(shape, device=check.device, dtype=check.dtype),
-            torch.randn(shape, device=check.device, dtype=check.dtype),
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    from engine.runner import allocate_kv_caches
+
+    # The pool as the engine allocates it (fp8/int8: codes and per-token scales), random K/V.
+    kv = allocate_kv_caches(model, blocks, bs, kv_dtype)
+    for layer in kv:
+        for pool in (layer.k, layer.v):
+            pool.copy_(torch.randn(shape, device=check.device).to(pool.dtype))
+        for scale in layer.scales or ():
+            scale.fill_(0.01)
     meta = _metadata([(ctx, 1)] * batch, bs, blocks, check.device)
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=check.device)
     positions = torch.full((batch,), ctx, device=check.device)
@@ -490,14 +507,9 @@ def _prefill_time(check: Check, model, cfg, chunk: int) -> float:  # noqa: ANN00
     """One request's prompt of `chunk` tokens, nothing cached, through the model."""
     bs = 16
     blocks = -(-chunk // bs)
-    shape = (blocks, bs, cfg.num_kv_heads, cfg.head_dim)
-    kv = [
-        (
-            torch.empty(shape, device=check.device, dtype=check.dtype),
-            torch.empty(shape, device=check.device, dtype=check.dtype),
-        )
-        for _ in range(cfg.num_layers)
-    ]
+    from engine.runner import allocate_kv_caches
+
+    kv = allocate_kv_caches(model, blocks, bs)
     meta = _metadata([(0, chunk)], bs, blocks, check.device)
     ids = torch.randint(0, cfg.vocab_size, (chunk,), device=check.device)
     positions = torch.arange(chunk, device=check.device)
