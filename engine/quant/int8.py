@@ -7,7 +7,8 @@ their matmul runs on a per-channel requantization, see _cpu_matmul).
 The matmul on CPU is torch's `_weight_int8pack_mm` with bfloat16 activations: measured on this
 class of CPU (AVX512-BF16) it reads the int8 weight at one row about 1.8x faster than oneDNN's
 float32 linear reads a float32 one (63 vs 112 us for a 3072 x 576 weight), while its float32
-path is ten times slower and float16 fifty. On a GPU it is the Triton W8A16 kernel (engine/kernels/quant_matmul.py)."""
+path is ten times slower and float16 fifty. On a GPU it is the Triton W8A16 kernel
+(engine/kernels/quant_matmul.py)."""
 
 from __future__ import annotations
 
