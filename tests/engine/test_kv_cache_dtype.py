@@ -78,6 +78,16 @@ def test_round_trip_error_is_within_the_formats_step(name):
     assert codes.float().abs().max() == (FP8_MAX if name == "fp8" else INT8_MAX)
 
 
+def test_every_fp8_code_reads_back_exactly():
+    """The CPU reads fp8 codes through a table (torch's own cast is slow): the same values."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = ~codes.float().isnan()
+    scales = torch.full((1,), 0.37)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = dequantize_kv(codes.view(1, 256), scales, dtype)[0]
+        assert torch.equal(got[finite], (codes.float() * 0.37).to(dtype)[finite])
+
+
 def test_format_bytes_include_the_scales():
     auto = kv_cache_format("auto", torch.bfloat16)
     fp8 = kv_cache_format("fp8", torch.bfloat16)
