@@ -8,6 +8,7 @@ CPU _scaled_mm measured 30 ms for one row of a 1536 x 576 weight)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -54,7 +55,7 @@ class Fp8Weight:
         return rows.view(*ids.shape, self.q.shape[1]).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9) and x.dim() == 2:
+        if x.is_cuda and x.dim() == 2 and _has_fp8(x.device):
             y = self._scaled_mm(x)
         else:
             if self._wide is None:
@@ -82,6 +83,12 @@ class Fp8Weight:
         if dim == 0:
             return Fp8Weight(self.q[start:stop].contiguous(), self.scale[start:stop])
         return Fp8Weight(self.q[:, start:stop].contiguous(), self.scale)
+
+
+@functools.cache
+def _has_fp8(device: torch.device) -> bool:
+    """fp8 tensor cores (compute capability 8.9+): asked once per device, not per matmul."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
