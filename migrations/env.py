@@ -6,9 +6,10 @@ from __future__ import annotations
 from alembic import context
 
 from digest.store.schema import Base
+from engine.server.batch_schema import BatchBase
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = [Base.metadata, BatchBase.metadata]
 
 
 def run_migrations_online() -> None:

@@ -76,6 +76,9 @@ class RunRow(Base):
     # The fingerprint of the date's digest as this run left it (None: the run ended by an
     # error); the digest's time is when the fingerprint last changed (`load_digest`).
     content_hash: Mapped[str | None] = mapped_column(String(64))
+    # The Batch API batch this run submitted (`digest run --via batch`): a run that resumes
+    # after a crash polls it rather than submitting the night again.
+    batch_id: Mapped[str | None] = mapped_column(String(64))
 
 
 class DigestItemRow(Base):

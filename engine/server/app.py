@@ -20,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine
 from engine.server.auth import APIKeyCheck
+from engine.server.batch_api import install_batch_api
+from engine.server.batch_config import BatchConfig
 from engine.server.cors import CorsConfig, add_cors
 from engine.server.errors import install_error_handlers
 from engine.server.limits import BodySizeLimit, RequestLimits
@@ -35,6 +37,7 @@ from engine.server.serving_models import OpenAIServingModels
 from engine.server.serving_tokenize import OpenAIServingTokenization
 
 VERSION = "0.1.0"
+UPLOAD_OVERHEAD = 64 << 10  # a multipart body's headers and boundaries around the file
 
 
 def create_app(
@@ -48,23 +51,31 @@ def create_app(
     tool_call_parser: str | None = None,
     pooling_type: str = "last",
     trust_request_chat_template: bool = False,
+    batch: BatchConfig | None = None,
 ) -> FastAPI:
     """tool_call_parser: how "auto" tool choice finds calls in the model's text (hermes,
     llama3_json, mistral); None picks one from the chat template. pooling_type: how
     /v1/embeddings pools the final hidden states, "last" (vLLM's default for decoder models)
-    or "mean". trust_request_chat_template: run a request's own chat_template (off: a 400)."""
+    or "mean". trust_request_chat_template: run a request's own chat_template (off: a 400).
+    batch: serve /v1/files and /v1/batches with these limits and storage (None: not served)."""
     limits = limits or RequestLimits()
+    runners = []
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        for runner in runners:
+            await runner.start()
         yield
+        for runner in runners:  # before the engine: lines in flight end first, unjournaled
+            await runner.stop()
         # Stopped while the event loop still runs, so requests still open get their error. A
         # dead engine's thread may be stuck in a collective: not waited for long.
         await asyncio.to_thread(engine.shutdown, 10.0 if engine.failure is None else 1.0)
 
     app = FastAPI(title="Nightshift", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes)
+    uploads = {"/v1/files": batch.max_file_bytes + UPLOAD_OVERHEAD} if batch else {}
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_bytes, path_limits=uploads)
     if api_key:
         app.add_middleware(APIKeyCheck, api_key=api_key)  # before reading a body
     add_cors(app, cors or CorsConfig())  # outermost: preflights never carry the key
@@ -76,6 +87,8 @@ def create_app(
     embedding = OpenAIServingEmbedding(*serving, pooling_type=pooling_type)
     tokenization = OpenAIServingTokenization(*serving, **trust)
     model_cards = OpenAIServingModels(engine.info, served_model_name)
+    if batch is not None:
+        runners.append(install_batch_api(app, batch, served_model_name, api_key, metrics))
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -72,16 +72,21 @@ class BodySizeLimit:
     Content-Length announces it or a chunked upload only reaches it. The body is buffered (at
     most max_bytes) and replayed; later receives, such as the client's disconnect, pass through."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: dict[str, int] | None = None
+    ) -> None:
         self.app, self.max_bytes = app, max_bytes
+        # Routes with their own limit (a batch input file is larger than any one request).
+        self.path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await self._refuse(scope, receive, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            await self._refuse(scope, receive, send, limit)
             return
         chunks, size = [], 0
         while True:
@@ -89,8 +94,8 @@ class BodySizeLimit:
             if message["type"] != "http.request":  # the client left before sending it all
                 return
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+            if size > limit:
+                await self._refuse(scope, receive, send, limit)
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -102,11 +107,11 @@ class BodySizeLimit:
 
         await self.app(scope, replayed, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        flag = "--max-request-bytes" if limit == self.max_bytes else "--batch-max-file-bytes"
         response = error_response(
             413,
-            f"the request body is over this server's limit of {self.max_bytes} bytes "
-            "(set by --max-request-bytes)",
+            f"the request body is over this server's limit of {limit} bytes (set by {flag})",
             param="body",
             code="request_too_large",
         )

@@ -11,6 +11,7 @@ from sqlalchemy import text
 
 from digest.store.database import open_database
 from digest.store.schema import Base
+from engine.server.batch_schema import BatchBase
 
 PG_URL = os.environ.get("NIGHTSHIFT_TEST_DATABASE_URL")
 
@@ -19,6 +20,7 @@ def _empty_postgres(url: str) -> None:
     engine = open_database(url)
     with engine.begin() as conn:
         Base.metadata.drop_all(conn)
+        BatchBase.metadata.drop_all(conn)
         conn.execute(text("DROP TABLE IF EXISTS alembic_version"))
     engine.dispose()
 

@@ -1,0 +1,62 @@
+"""One batch line run through the server's own routes, in process (httpx's ASGI transport): the
+same validation, limits, response bodies and errors as a request over the network, at the batch
+priority. The result is a line of OpenAI's output format:
+{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+
+from engine.server.batch_validate import BatchLine
+
+
+def app_client(app, api_key: str | None) -> httpx.AsyncClient:
+    """A client of `app` itself; app errors become 500 responses, as a live server sends them.
+    No timeout: a line ends when the engine ends it (or the batch is cancelled or expires)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(
+        transport=transport, base_url="http://batch.invalid", headers=headers, timeout=None
+    )
+
+
+async def run_line(
+    client: httpx.AsyncClient, endpoint: str, line: BatchLine, priority: int
+) -> dict:
+    body = dict(line.body)
+    # Never ahead of interactive traffic: a line may ask to wait longer, not to jump the queue.
+    body["priority"] = max(int(body.get("priority") or 0), priority)
+    response = await client.post(endpoint, json=body)
+    try:
+        answer = response.json()
+    except json.JSONDecodeError:
+        answer = {"error": {"message": response.text[:1000], "type": "internal_server_error"}}
+    request_id = answer.get("id") if isinstance(answer, dict) else None
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": line.custom_id,
+        "response": {
+            "status_code": response.status_code,
+            "request_id": request_id or f"req_{uuid.uuid4().hex}",
+            "body": answer,
+        },
+        "error": None,
+    }
+
+
+def succeeded(result: dict) -> bool:
+    response = result.get("response") or {}
+    return result.get("error") is None and 200 <= response.get("status_code", 0) < 300
+
+
+def unrun_result(line: BatchLine, code: str, message: str) -> dict:
+    """A line that never ran (the window expired): an error line, as OpenAI writes one."""
+    return {
+        "id": f"batch_req_{uuid.uuid4().hex}",
+        "custom_id": line.custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
