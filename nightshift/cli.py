@@ -198,6 +198,33 @@ def serve(
             help="Run chat templates sent in requests (a hostile one can tie up the server).",
         ),
     ] = False,
+    enable_batch_api: Annotated[
+        bool,
+        typer.Option(
+            "--enable-batch-api",
+            help="Serve OpenAI's Batch API (/v1/files, /v1/batches); records in "
+            "--batch-database-url, file bodies under $NIGHTSHIFT_HOME/batches.",
+        ),
+    ] = False,
+    batch_database_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Batch records (default: $NIGHTSHIFT_BATCH_DATABASE_URL, else a SQLite file in "
+            "$NIGHTSHIFT_HOME/batches)."
+        ),
+    ] = None,
+    batch_max_file_bytes: Annotated[
+        int, typer.Option(help="Largest batch input file.", min=1)
+    ] = 100 << 20,
+    batch_max_lines: Annotated[int, typer.Option(help="Most requests in one batch.", min=1)] = (
+        50_000
+    ),
+    batch_concurrency: Annotated[
+        int, typer.Option(help="Batch lines in the engine at once (all batches).", min=1)
+    ] = 4,
+    batch_priority: Annotated[
+        int, typer.Option(help="Scheduler priority of batch lines (interactive: 0; lower first).")
+    ] = 10,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
     block_size: Annotated[int, typer.Option()] = 16,
@@ -259,6 +286,7 @@ def serve(
     from engine.config import EngineConfig
     from engine.distributed.rendezvous import RankMismatchError, RendezvousError
     from engine.server.auth import resolve_api_key
+    from engine.server.batch_config import BatchConfig
     from engine.server.cors import CorsConfig
     from engine.server.limits import RequestLimits
     from engine.server.serve import EngineDiedError
@@ -267,8 +295,11 @@ def serve(
     limits = RequestLimits(
         max_logprobs=max_logprobs, max_n=max_n, max_request_bytes=max_request_bytes
     )
-    # Bad options, a bad model folder, an unsafe bind: one line and exit 2, no traceback.
-    with user_errors(ValueError, OSError):
+    from digest.store.database import StoreError
+
+    # Bad options, a bad model folder, an unsafe bind, a batch database that cannot be opened:
+    # one line and exit 2, no traceback.
+    with user_errors(ValueError, OSError, StoreError):
         config = EngineConfig(
             model=model,
             dtype=dtype,
@@ -295,6 +326,20 @@ def serve(
             kv_cache_dtype=kv_cache_dtype,
         )
         key = resolve_api_key(api_key, api_key_file)
+        batch = None
+        if enable_batch_api:
+            batch = BatchConfig(
+                database_url=batch_database_url,
+                max_file_bytes=batch_max_file_bytes,
+                max_lines=batch_max_lines,
+                concurrency=batch_concurrency,
+                priority=batch_priority,
+            )
+            if data_parallel_size > 1:
+                raise ValueError(
+                    "--enable-batch-api serves from one engine; with --data-parallel-size > 1 "
+                    "run the batch API on one of the engines instead"
+                )
         if data_parallel_size > 1:  # N engines and the router (engine/router/data_parallel.py)
             return serve_data_parallel_from_cli(
                 ctx,
@@ -326,6 +371,7 @@ def serve(
                 tool_call_parser=tool_call_parser,
                 pooling_type=pooling_type,
                 trust_request_chat_template=trust_request_chat_template,
+                batch=batch,
             )
         except (EngineDiedError, RendezvousError) as e:
             # A supervisor restarts it (exit 1); ranks started differently are a launch

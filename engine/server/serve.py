@@ -22,6 +22,7 @@ from engine.distributed.rendezvous import env_rendezvous
 from engine.engine_builder import run_tensor_parallel_worker
 from engine.server.app import create_app
 from engine.server.auth import API_KEY_ENV, is_loopback
+from engine.server.batch_config import BatchConfig
 from engine.server.cors import CorsConfig
 from engine.server.errors import error_body
 from engine.server.limits import RequestLimits
@@ -129,6 +130,7 @@ def serve(
     tool_call_parser: str | None = None,
     pooling_type: str = "last",
     trust_request_chat_template: bool = False,
+    batch: BatchConfig | None = None,
 ) -> None:
     """Runs until SIGTERM/SIGINT: uvicorn then stops accepting and lets in-flight requests finish
     for up to grace_period seconds; whatever still runs after that is ended, and we exit 0."""
@@ -176,6 +178,7 @@ def serve(
         tool_call_parser=tool_call_parser,
         pooling_type=pooling_type,
         trust_request_chat_template=trust_request_chat_template,
+        batch=batch,
     )
     try:
         server_config = uvicorn.Config(
