@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from nightshift.batch_commands import batch_app
 from nightshift.capacity_commands import capacity_app
 from nightshift.cli_errors import fail, user_errors
 from nightshift.digest_commands import db_app, digest_app
@@ -686,6 +687,7 @@ app.add_typer(digest_app, name="digest")
 app.add_typer(db_app, name="db")
 app.add_typer(workload_app, name="workload")
 app.add_typer(capacity_app, name="capacity")
+app.add_typer(batch_app, name="batch")
 
 
 def run() -> None:
