@@ -19,6 +19,17 @@ from typing import Literal
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
 from digest.paper import Paper, papers_count
+from digest.paper_results import (
+    PaperInput,
+    Unparsed,
+    fill_call,
+    has_review,
+    new_call,
+    set_outcome,
+    store_review,
+    store_summary,
+    work_key,
+)
 from digest.progress import ProgressSink
 from digest.prompts import (
     PROMPT_VERSION,
@@ -31,16 +42,15 @@ from digest.prompts import (
 )
 from digest.render import write_listings, write_outputs, write_pages
 from digest.review import InputBasis
-from digest.review_parse import parse_review, review_response_format
+from digest.review_parse import review_response_format
 from digest.run_report import RunReport
 from digest.sources import load_papers
 from digest.sources.fulltext import HTML_URL, fetch_fulltext, truncate_text
 from digest.sources.polite_http import PoliteClient, PoliteHttpConfig
 from digest.store import migrate
 from digest.store.database import open_database
-from digest.store.digest_store import CallRecord, DigestStore, WorkKey, utcnow
+from digest.store.digest_store import CallRecord, DigestStore
 from digest.store.job_lock import JobLock
-from digest.summary_text import tidy_summary
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +108,6 @@ class RunHandle:
             self.store.finish_run(self.run_id, "failed", error=reason)
         if self.lock is not None:
             self.lock.release()
-
-
-@dataclass(slots=True)
-class PaperInput:
-    paper: Paper
-    basis: InputBasis
-    text: str
-    truncated: bool
 
 
 def run_digest(
@@ -319,20 +321,14 @@ def _paper_input(
     return PaperInput(paper, "fulltext", row.text, row.truncated)
 
 
-def _key(model: str, basis: InputBasis) -> WorkKey:
-    return WorkKey(model, PROMPT_VERSION, basis)
+_key = work_key
+_has_review = has_review
 
 
 def _is_done(store: DigestStore, item: PaperInput, model: str) -> bool:
     key = _key(model, item.basis)
     pid = item.paper.arxiv_id
     return store.summary(pid, key) is not None and _has_review(store, pid, key)
-
-
-def _has_review(store: DigestStore, paper_id: str, key: WorkKey) -> bool:
-    """A review that validated; an unparsed reply is kept for reading but asked for again."""
-    review = store.review(paper_id, key)
-    return review is not None and review.parse_status != "failed"
 
 
 def _mark_done(
@@ -378,10 +374,6 @@ async def _call_model(
         await asyncio.gather(*(one(item) for item in work))
 
 
-class _Unparsed(Exception):
-    """The review reply did not validate: the paper failed (its raw reply is stored)."""
-
-
 @dataclass(slots=True)
 class _PaperCalls:
     store: DigestStore
@@ -400,17 +392,7 @@ class _PaperCalls:
                 result, call = await self._call(
                     item, "summary", summary_messages(block), SUMMARY_MAX_TOKENS
                 )
-                text = tidy_summary(result.text, cut_off=result.finish_reason == "length")
-                if not text:
-                    self.store.record_call(call)
-                    raise ChatCallError(
-                        "the model returned an empty summary",
-                        status_code=None,
-                        attempts=result.attempts,
-                        started_at=result.started_at,
-                        latency_s=result.latency_s,
-                    )
-                self.store.save_summary(item.paper, key, text, self.run_id, call)
+                store_summary(self.store, item, key, result, call, self.run_id)
             if not _has_review(self.store, pid, key):
                 # Ask for schema-constrained JSON unless this server has said it cannot.
                 fmt = (
@@ -426,24 +408,10 @@ class _PaperCalls:
                     fmt,
                     REVIEW_FREQUENCY_PENALTY,
                 )
-                parsed = parse_review(result.text, item.basis)
-                self.store.save_review(
-                    item.paper,
-                    key,
-                    parsed.review,
-                    parsed.status,
-                    result.text,
-                    parsed.error,
-                    self.run_id,
-                    call,
-                )
-                if parsed.review is None:
-                    raise _Unparsed(f"review unparsed: {parsed.error}")
-        except (ChatCallError, _Unparsed) as exc:
-            self.store.set_item(self.day, pid, "failed", self.run_id, item.basis, str(exc))
-            return f"failed: {exc}"
-        self.store.set_item(self.day, pid, "done", self.run_id, item.basis)
-        return "done"
+                store_review(self.store, item, key, result, call, self.run_id)
+        except (ChatCallError, Unparsed) as exc:
+            return set_outcome(self.store, self.day, item, self.run_id, str(exc))
+        return set_outcome(self.store, self.day, item, self.run_id, None)
 
     async def _call(
         self,
@@ -456,18 +424,8 @@ class _PaperCalls:
     ) -> tuple[ChatResult, CallRecord]:
         """The reply and the record of the call. A failed call is recorded here; a successful
         one is stored by the caller with its result, in one transaction."""
-        record = CallRecord(
-            run_id=self.run_id,
-            paper_id=item.paper.arxiv_id,
-            kind=kind,
-            model=self.endpoint.model,
-            endpoint=self.endpoint.base_url,
-            prompt_version=PROMPT_VERSION,
-            input_basis=item.basis,
-            max_tokens=max_tokens,
-            started_at=utcnow(),
-            status="ok",
-        )
+        model, url = self.endpoint.model, self.endpoint.base_url
+        record = new_call(self.run_id, item, kind, model, url, max_tokens)
         try:
             result = await self.client.chat(
                 messages,
@@ -483,11 +441,4 @@ class _PaperCalls:
             record.started_at, record.latency_s = exc.started_at, exc.latency_s
             self.store.record_call(record)
             raise
-        record.endpoint = result.endpoint or record.endpoint  # which of several answered
-        record.prompt_tokens = result.prompt_tokens
-        record.completion_tokens = result.completion_tokens
-        record.cached_tokens = result.cached_tokens
-        record.ttft_s, record.latency_s = result.ttft_s, result.latency_s
-        record.started_at, record.attempts = result.started_at, result.attempts
-        record.finish_reason = result.finish_reason
-        return result, record
+        return result, fill_call(record, result)
