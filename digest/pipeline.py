@@ -16,6 +16,8 @@ from datetime import date
 from pathlib import Path
 from typing import Literal
 
+from digest.batch_calls import BatchPlan
+from digest.batch_client import BatchClientConfig
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
 from digest.paper import Paper, papers_count
@@ -90,6 +92,12 @@ class RunOptions:
     chat_retries: int = 3
     chat_backoff_s: float = 2.0
     chat_read_timeout_s: float = 600.0
+    # How the model is called: "stream" (one streamed chat completion per call) or "batch" (the
+    # night's calls as one Batch API batch, polled; batch_calls.py).
+    via: Literal["stream", "batch"] = "stream"
+    batch_window: str = "24h"
+    batch_poll_s: float = 10.0  # the first wait between polls; it doubles up to the next
+    batch_max_poll_s: float = 300.0
 
 
 @dataclass(slots=True)
@@ -150,9 +158,10 @@ def run_digest(
                     options.model,
                     options.api_key_env,
                     options.local_model,
-                    options.local_server_args,
+                    _local_args(options),
                 ) as endpoint:
-                    asyncio.run(_call_model(store, options, endpoint, run_id, work, progress))
+                    call = _call_via_batch if options.via == "batch" else _call_model
+                    asyncio.run(call(store, options, endpoint, run_id, work, progress))
         except BaseException as exc:
             store.finish_run(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
             raise
@@ -224,6 +233,33 @@ def render_all(store: DigestStore, out_dir: Path, site_url: str | None = None) -
     return written + write_listings(out_dir, recent, site_url=site_url)
 
 
+def _local_args(options: RunOptions) -> tuple[str, ...]:
+    """The local server's options; with --via batch it serves the Batch API (its records and
+    files under $NIGHTSHIFT_HOME/batches, so that a resumed run finds the batch again)."""
+    batch = ("--enable-batch-api",) if options.via == "batch" else ()
+    return (*options.local_server_args, *batch)
+
+
+async def _call_via_batch(
+    store: DigestStore,
+    options: RunOptions,
+    endpoint: Endpoint,
+    run_id: int,
+    work: list[PaperInput],
+    progress: ProgressSink | None,
+) -> None:
+    config = BatchClientConfig(
+        base_url=endpoint.base_url,
+        api_key=endpoint.api_key,
+        max_retries=options.chat_retries,
+        backoff_s=options.chat_backoff_s,
+        poll_s=options.batch_poll_s,
+        max_poll_s=options.batch_max_poll_s,
+    )
+    plan = BatchPlan(store, endpoint, config, options.batch_window, run_id, options.digest_date)
+    await plan.run(work, progress)
+
+
 def _params(options: RunOptions) -> dict:
     keep = (
         "categories",
@@ -236,6 +272,7 @@ def _params(options: RunOptions) -> dict:
         "include_cross",
         "max_input_chars",
         "republished",
+        "via",
     )
     return {k: v for k, v in asdict(options).items() if k in keep}
 

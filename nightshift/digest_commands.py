@@ -92,6 +92,13 @@ LocalModelOpt = Annotated[
     str,
     typer.Option(help="local: the model the local server loads, 'default' or an HF folder."),
 ]
+ViaOpt = Annotated[
+    str,
+    typer.Option(
+        help="How the model is called: stream (each call streamed) or batch (the night as one "
+        "OpenAI Batch API batch, polled; the local server serves it, as can a cloud provider)."
+    ),
+]
 LocalSpecOpt = Annotated[
     bool,
     typer.Option(
@@ -154,9 +161,12 @@ def _run_options(
     local_speculation: bool = True,
     local_model: str = "default",
     republished: str = "mark",
+    via: str = "stream",
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
+    if via not in ("stream", "batch"):
+        raise _fail(f"--via must be stream or batch, not {via!r}", EXIT_USAGE)
     if input_mode not in ("abstract", "fulltext"):
         raise _fail(f"--input must be abstract or fulltext, not {input_mode!r}", EXIT_USAGE)
     if concurrency < 1:
@@ -192,6 +202,7 @@ def _run_options(
         local_model=local_model,
         republished=republished,  # type: ignore[arg-type]
         local_server_args=LOCAL_SPECULATION if local_speculation else (),
+        via=via,  # type: ignore[arg-type]
     )
 
 
@@ -261,6 +272,7 @@ _RUN_FIELDS = (
     "local_speculation",
     "local_model",
     "republished",
+    "via",
 )
 
 
@@ -289,6 +301,7 @@ def digest_run(
     local_speculation: LocalSpecOpt = True,
     local_model: LocalModelOpt = "default",
     republished: RepublishedOpt = "mark",
+    via: ViaOpt = "stream",
     redo: Annotated[
         list[str] | None,
         typer.Option(
@@ -326,6 +339,7 @@ def _guarded(action: Callable[[], T]) -> T:
     """Run `action`, turning the errors a user can act on into one line and an exit code."""
     from sqlalchemy.exc import DBAPIError
 
+    from digest.batch_client import BatchAPIError
     from digest.endpoint import EndpointError
     from digest.pipeline import RedoError
     from digest.sources.polite_http import SourceError, SourceUnreachable
@@ -345,7 +359,7 @@ def _guarded(action: Callable[[], T]) -> T:
         ) from None
     except BadInputFile as exc:  # a source file (a SourceError too) that cannot be used
         raise _fail(str(exc), EXIT_USAGE) from None
-    except (SourceError, LockHeld, ServerStartError, LookupError) as exc:
+    except (SourceError, LockHeld, ServerStartError, LookupError, BatchAPIError) as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
     except (EndpointError, StoreError, RedoError, ModelLoadError) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
@@ -412,6 +426,7 @@ def digest_schedule(
     local_speculation: LocalSpecOpt = True,
     local_model: LocalModelOpt = "default",
     republished: RepublishedOpt = "mark",
+    via: ViaOpt = "stream",
 ) -> None:
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
     from digest.schedule import (

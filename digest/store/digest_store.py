@@ -137,6 +137,25 @@ class DigestStore:
                 )
             )
 
+    def set_run_batch(self, run_id: int, batch_id: str) -> None:
+        """The Batch API batch this run is waiting for (`digest run --via batch`)."""
+        with self._session.begin() as s:
+            s.execute(update(RunRow).where(RunRow.id == run_id).values(batch_id=batch_id))
+
+    def batch_to_resume(self, digest_date: date, run_id: int) -> str | None:
+        """The batch of the date's previous run, when that run ended before finishing (killed,
+        so marked interrupted, or failed): this run polls it instead of submitting again."""
+        with self.session() as s:
+            previous = s.scalars(
+                select(RunRow)
+                .where(RunRow.digest_date == digest_date, RunRow.id < run_id)
+                .order_by(RunRow.id.desc())
+                .limit(1)
+            ).first()
+        if previous is None or previous.status not in ("interrupted", "failed"):
+            return None
+        return previous.batch_id
+
     # -- papers and the day's list ------------------------------------------------------------
 
     def upsert_papers(self, papers: list[Paper]) -> None:
