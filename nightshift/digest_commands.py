@@ -167,6 +167,11 @@ def _run_options(
 
     if via not in ("stream", "batch"):
         raise _fail(f"--via must be stream or batch, not {via!r}", EXIT_USAGE)
+    if via == "batch" and "," in endpoint:
+        raise _fail(
+            "--via batch submits the night to one Batch API: give one --endpoint URL, not several",
+            EXIT_USAGE,
+        )
     if input_mode not in ("abstract", "fulltext"):
         raise _fail(f"--input must be abstract or fulltext, not {input_mode!r}", EXIT_USAGE)
     if concurrency < 1:

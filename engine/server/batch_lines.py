@@ -5,12 +5,19 @@ priority. The result is a line of OpenAI's output format:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
 import httpx
 
 from engine.server.batch_validate import BatchLine
+
+# A full waiting queue (429) or an engine that is not taking requests now (503) says "later", not
+# "no": the line waits and asks again, rather than failing a night's request on a busy minute.
+# Cancel and expiry end the wait.
+RETRY_STATUSES = frozenset({429, 503})
+RETRY_S, MAX_RETRY_S = 0.25, 10.0
 
 
 def app_client(app, api_key: str | None) -> httpx.AsyncClient:
@@ -29,7 +36,10 @@ async def run_line(
     body = dict(line.body)
     # Never ahead of interactive traffic: a line may ask to wait longer, not to jump the queue.
     body["priority"] = max(int(body.get("priority") or 0), priority)
-    response = await client.post(endpoint, json=body)
+    delay = RETRY_S
+    while (response := await client.post(endpoint, json=body)).status_code in RETRY_STATUSES:
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, MAX_RETRY_S)
     try:
         answer = response.json()
     except json.JSONDecodeError:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, and_, or_, select, update
 from sqlalchemy.orm import sessionmaker
 
 from engine.server.batch_schema import BatchFileRow, BatchRow
@@ -162,9 +162,17 @@ class BatchStore:
 
 
 def _page(store: BatchStore, query, limit: int, after: str | None, row_type) -> list:
+    """A page newest first, after the row `after` (keyset: created_at, then id); one more row
+    than asked, for the caller's has_more. An unknown `after` gives an empty page."""
     with store._session() as s:
-        rows = list(s.scalars(query))
-    if after is not None:
-        ids = [r.id for r in rows]
-        rows = rows[ids.index(after) + 1 :] if after in ids else []
-    return rows[: limit + 1]  # one more than asked: the caller's has_more
+        if after is not None:
+            anchor = s.get(row_type, after)
+            if anchor is None:
+                return []
+            query = query.where(
+                or_(
+                    row_type.created_at < anchor.created_at,
+                    and_(row_type.created_at == anchor.created_at, row_type.id > anchor.id),
+                )
+            )
+        return list(s.scalars(query.limit(limit + 1)))

@@ -6,6 +6,7 @@ key, cancel mid-batch, expiry, priority below interactive traffic, and /metrics 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -333,3 +334,39 @@ def test_batch_runs_below_interactive_traffic_and_shows_in_metrics(server):
     with httpx.Client(base_url=url) as http:
         text = http.get("/metrics").text
     assert 'nightshift:batch_lines_finished_total{outcome="completed"}' in text
+
+
+def test_a_full_waiting_queue_delays_lines_instead_of_failing_them(model_dir, tmp_path):
+    # One running slot, one waiting place: the third line in flight gets a 429 from the engine's
+    # admission, and must wait for room rather than land in the error file.
+    batch = BatchConfig(home=tmp_path, concurrency=3)
+    with live_server(
+        model_dir, MODEL, max_waiting_requests=1, app_options={"batch": batch},
+        max_model_len=256, max_num_seqs=1,
+    ) as (url, _):  # fmt: skip
+        client = _client(url)
+        lines = [_chat_line(f"q{i}", "Wait.", max_tokens=16, ignore_eos=True) for i in range(6)]
+        done = _wait(client, _submit(client, lines).id, {"completed", "failed"})
+        with httpx.Client(base_url=url) as http:
+            metrics = http.get("/metrics").text
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 0)
+    rejected = re.search(
+        r'nightshift:request_rejected_total\{[^}]*code="queue_full"[^}]*\} (\S+)', metrics
+    )
+    assert rejected and float(rejected.group(1)) > 0  # the 429s did happen
+
+
+def test_lists_page_newest_first(server):
+    url, _, _ = server
+    client = _client(url)
+    ids = [client.files.create(file=(f"{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(3)]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        first = http.get("/v1/files", params={"limit": 2, "purpose": "batch"}).json()
+        assert [f["id"] for f in first["data"]] == ids[::-1][:2] and first["has_more"]
+        rest = http.get("/v1/files", params={"limit": 2, "after": first["last_id"]}).json()
+        assert rest["data"][0]["id"] == ids[0]
+        assert http.get("/v1/files", params={"limit": 0}).status_code == 400
+        assert http.get("/v1/files", params={"after": "file-nope"}).json()["data"] == []
+    page = client.batches.list(limit=1)
+    assert len(page.data) == 1 and page.has_more
