@@ -125,11 +125,8 @@ class BatchPlan:
         if batch is None:
             log.info("batch %s of the previous run is unknown to the server; submitting", batch_id)
             return {}
-        asked = {
-            json.loads(line).get("custom_id")
-            for line in (await client.content(batch.get("input_file_id"))).splitlines()
-            if line.strip()
-        }
+        lines = (await client.content(batch.get("input_file_id"))).splitlines()
+        asked = {line.get("custom_id") for raw in lines if (line := _json_object(raw))}
         if not asked & requests.keys():
             return {}
         log.info("resuming batch %s of the previous run (%s)", batch_id, batch.get("status"))
@@ -160,9 +157,12 @@ class BatchPlan:
         replies = {}
         for file_id in (batch.get("output_file_id"), batch.get("error_file_id")):
             for raw in (await client.content(file_id)).splitlines():
-                if raw.strip():
-                    line = json.loads(raw)
-                    replies[line.get("custom_id")] = BatchReply(line, batch)
+                line = _json_object(raw)
+                if line is None:
+                    if raw.strip():
+                        log.warning("batch %s: an unreadable result line skipped", batch["id"])
+                    continue
+                replies[line.get("custom_id")] = BatchReply(line, batch)
         return replies
 
     def _store(
@@ -206,6 +206,14 @@ class BatchPlan:
 
 def _custom_id(kind: str, item: PaperInput) -> str:
     return f"{kind}:{item.basis}:{item.paper.arxiv_id}"
+
+
+def _json_object(raw: bytes) -> dict | None:
+    try:
+        value = json.loads(raw) if raw.strip() else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _succeeded(line: dict) -> bool:

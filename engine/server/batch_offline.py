@@ -37,11 +37,11 @@ def check_input(data: bytes, served_model: str | None, max_lines: int) -> tuple[
     """(endpoint, served model name, lines). The endpoint is the first line's url; the served
     name, unless given, the first line's body.model (a file written for a cloud model runs as
     it is on ours)."""
-    first = _first_request(data)
-    endpoint = first.get("url") if isinstance(first.get("url"), str) else ""
+    number, first = _first_request(data)
+    endpoint = first.get("url", BATCH_ENDPOINTS[0])  # unreadable: parse_input names the line
     if endpoint not in BATCH_ENDPOINTS:
         raise BatchFileError(
-            f"the first request's url is {endpoint!r}; a batch calls one of "
+            f"the input file is refused: line {number}: url {endpoint!r} is not one of "
             f"{', '.join(BATCH_ENDPOINTS)}"
         )
     body = first.get("body") if isinstance(first.get("body"), dict) else {}
@@ -85,14 +85,15 @@ def run_batch_file(
     return OfflineReport(len(lines), len(done), counts[0], counts[1])
 
 
-def _first_request(data: bytes) -> dict:
-    for raw in data.split(b"\n"):
+def _first_request(data: bytes) -> tuple[int, dict]:
+    """The first non-blank line's number and object ({} when it is not one)."""
+    for number, raw in enumerate(data.split(b"\n"), start=1):
         if raw.strip():
             try:
                 obj = json.loads(raw)
-            except ValueError:
-                return {}  # parse_input names the line
-            return obj if isinstance(obj, dict) else {}
+            except (ValueError, RecursionError):
+                return number, {}  # parse_input names the line
+            return number, obj if isinstance(obj, dict) else {}
     raise BatchFileError("the input file holds no requests")
 
 

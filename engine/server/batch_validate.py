@@ -99,6 +99,9 @@ def _parse_line(raw: bytes, number: int, endpoint: str, served_model: str) -> Ba
         return LineError("invalid_json_line", f"the line is not UTF-8 ({e.reason})", number)
     except json.JSONDecodeError as e:
         return LineError("invalid_json_line", f"the line is not valid JSON: {e.msg}", number)
+    except (ValueError, RecursionError) as e:  # a 5000-digit number; nesting deeper than Python
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        return LineError("invalid_json_line", f"the line cannot be read: {reason}", number)
     if not isinstance(obj, dict):
         return LineError("invalid_json_line", "the line is not a JSON object", number)
     custom_id = obj.get("custom_id")

@@ -150,13 +150,15 @@ def test_bad_lines_fail_the_batch_with_line_numbers(server):
         _chat_line("e", "hi", temperature="hot"),  # line 5: the endpoint would refuse it
         b"[1, 2]",  # line 6: not an object
         _chat_line("g", "hi", stream=True),  # line 7: a batch line cannot stream
+        b"[" * 50_000,  # line 8: deeper than any parser should follow
+        b'{"custom_id": ' + b"9" * 5000 + b"}",  # line 9: an absurd number
     ]
     submitted_before = engine.stats().num_running + engine.num_waiting
     batch = _submit(client, lines)
     failed = _wait(client, batch.id, {"failed", "completed"})
     assert failed.status == "failed" and failed.failed_at
     errors = failed.errors.data
-    assert [e.line for e in errors] == [2, 3, 4, 5, 6, 7]
+    assert [e.line for e in errors] == [2, 3, 4, 5, 6, 7, 8, 9]
     assert errors[0].code == "invalid_json_line"
     assert errors[1].param == "custom_id"
     assert errors[2].code == "invalid_url"

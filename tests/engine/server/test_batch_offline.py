@@ -72,6 +72,21 @@ def test_bad_file_is_one_line_and_exit_2(model_dir, tmp_path):
     bad.write_text('{"custom_id": "x", "method": "POST", "url": "/v1/chat/completions"}\n{oops\n')
     result = _run(model_dir, str(bad), "-o", str(tmp_path / "o.jsonl"))
     assert result.exit_code == 2 and "line 1" in result.output and "line 2" in result.output
+    for content, says in (
+        (b"", "no requests"),
+        (b"\n\n", "no requests"),
+        (b"\x00\xff\xfe binary", "line 1"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b'{"custom_id": "n", "x": ' + b"9" * 5000 + b"}", "line 1"),
+        (
+            b'{"custom_id": "t", "method": "POST", "url": "/v1/chat/completions", "body": {"mes',
+            "line 1",
+        ),
+    ):
+        bad.write_bytes(content)
+        result = _run(model_dir, str(bad), "-o", str(tmp_path / "o.jsonl"))
+        assert result.exit_code == 2 and says in result.output, (content[:40], result.output)
+        assert "Traceback" not in result.output and len(result.output.splitlines()) == 1
     result = _run(model_dir, str(tmp_path / "missing.jsonl"), "-o", str(tmp_path / "o.jsonl"))
     assert result.exit_code == 2 and "cannot read" in result.output
     # An output file of another input is not appended to.
