@@ -17,6 +17,11 @@ from engine.server.serving_batches import OpenAIServingBatches, add_batch_routes
 from engine.server.serving_files import OpenAIServingFiles, add_file_routes
 
 
+def check_batch_database(config: BatchConfig) -> None:
+    """Connect once, before the model loads: a wrong URL fails the start at once (StoreError)."""
+    open_database(config.url()).dispose()
+
+
 def install_batch_api(
     app: FastAPI,
     config: BatchConfig,

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 
-from engine.server.server_process import start_server_process
+from engine.server.server_process import free_loopback_port, start_server_process
 from tests.digest.conftest import PG_URL, fresh_database
 from tests.engine.server.live_server import build_chat_model
 
@@ -96,3 +98,15 @@ def test_kill_9_mid_batch_resumes_without_redoing_or_duplicating(
     # ...and the restarted server ran only the others.
     ran = f'nightshift:batch_lines_finished_total{{outcome="completed"}} {LINES - len(before)}.0'
     assert ran in metrics
+
+
+def test_a_bad_batch_database_fails_the_start_in_one_line(model_dir, tmp_path):
+    cmd = [sys.executable, "-m", "nightshift.cli", "serve", "--model", str(model_dir)]
+    port = str(free_loopback_port())
+    cmd += ["--enable-batch-api", "--port", port, "--batch-database-url", "mysql://nobody@x/db"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: cannot open mysql://nobody@x/db: unsupported database; use sqlite:///PATH or "
+        "postgresql+psycopg://USER@HOST/DB"
+    ]
