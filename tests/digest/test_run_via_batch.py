@@ -47,7 +47,7 @@ def _batches(url: str) -> list[dict]:
 
 def _run(tmp_path, db_url, url, **extra):
     """The run options of the tests' night: the first two papers of test_pipeline's file."""
-    run = options(tmp_path, db_url, f"{url}/v1", model="tiny", concurrency=2, **extra)
+    run = options(tmp_path, db_url, f"{url}/v1", **{"model": "tiny", "concurrency": 2, **extra})
     lines = (tmp_path / "papers.jsonl").read_text().splitlines()[:2]
     (tmp_path / "two.jsonl").write_text("\n".join(lines) + "\n")
     run.source = str(tmp_path / "two.jsonl")
@@ -137,3 +137,44 @@ def test_killed_digest_resumes_polling_the_same_batch(server, tmp_path, db_url):
     stored = _stored(db_url)
     assert len(stored["calls"]) == 4  # one record per request, none twice
     assert all(status == "done" for _, status, _, _ in stored["entries"])
+
+
+def test_local_endpoint_via_batch_survives_a_kill(tmp_path, monkeypatch, sqlite_url):
+    """`--endpoint local --via batch`: the local server serves the Batch API from
+    $NIGHTSHIFT_HOME/batches; killed with its digest (kill -9), the next run's new local server
+    picks the batch up where the first stopped, and the run polls it to the end."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(home))
+    model = build_chat_model(tmp_path / "tiny", max_position_embeddings=2048)
+    run = _run(tmp_path, sqlite_url, "unused", endpoint="local", model=None, via="batch")
+    run.local_model = str(model)
+    cmd = [
+        sys.executable, "-m", "nightshift.cli", "digest", "run", "--date", DAY.isoformat(),
+        "--source", run.source, "--endpoint", "local", "--local-model", str(model),
+        "--no-local-speculation", "--via", "batch", "--db", sqlite_url,
+        "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    digest = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while (batch_id := _batch_id(sqlite_url)) is None:
+            assert digest.poll() is None, digest.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run never recorded its batch"
+            time.sleep(0.05)
+    finally:
+        os.kill(digest.pid, signal.SIGKILL)
+        digest.wait(10)
+    batches = open_database(f"sqlite:///{home / 'batches' / 'batches.db'}")
+    with batches.connect() as conn:
+        (status,) = conn.exec_driver_sql("SELECT status FROM batches").scalars().all()
+    assert status in ("validating", "in_progress")  # the server died with the batch unfinished
+    for name, value in BATCH_POLL.items():
+        setattr(run, name, value)
+    report = run_digest(run)
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+    with batches.connect() as conn:
+        rows = conn.exec_driver_sql("SELECT id, status, completed FROM batches").all()
+    assert [tuple(r) for r in rows] == [(batch_id, "completed", 4)]  # the one batch, finished
+    with open_database(sqlite_url).connect() as conn:
+        runs = conn.execute(select(RunRow.status, RunRow.batch_id).order_by(RunRow.id)).all()
+    assert [tuple(r) for r in runs] == [("interrupted", batch_id), ("succeeded", batch_id)]
