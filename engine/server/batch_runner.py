@@ -82,7 +82,10 @@ class BatchRunner:
     async def stop(self) -> None:
         """The server is stopping: lines in flight are dropped (not journaled), to run again
         after the restart; every batch keeps its status."""
-        tasks = [t for t in (self._supervisor, *self._drivers.values()) if t is not None]
+        lines = [t for batch in self.active.values() for t in batch.running]
+        drivers = [t for t in (self._supervisor, *self._drivers.values()) if t is not None]
+        # Drivers first: a driver whose lines ended under it would go on to finalize the batch.
+        tasks = drivers + lines
         for task in tasks:
             task.cancel()
         for task in tasks:
