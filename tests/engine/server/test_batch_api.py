@@ -372,3 +372,32 @@ def test_lists_page_newest_first(server):
         assert http.get("/v1/files", params={"after": "file-nope"}).json()["data"] == []
     page = client.batches.list(limit=1)
     assert len(page.data) == 1 and page.has_more
+
+
+def test_an_interactive_request_goes_before_a_waiting_batch_line(model_dir, tmp_path):
+    # One sequence slot, two batch lines in flight: one runs, one waits at the batch priority.
+    # A chat request arriving after both takes the slot first (priority 0 before 10).
+    batch = BatchConfig(home=tmp_path, concurrency=2)
+    with live_server(
+        model_dir, MODEL, app_options={"batch": batch}, max_model_len=256, max_num_seqs=1
+    ) as (url, engine):
+        client = _client(url)
+        slow = _slow_steps(engine, 0.01)
+        try:
+            lines = [_chat_line(f"b{i}", "Long.", max_tokens=40, ignore_eos=True) for i in (0, 1)]
+            submitted = _submit(client, lines)
+            deadline = time.monotonic() + WAIT_S
+            while not (engine.stats().num_running == 1 and engine.num_waiting == 1):
+                assert time.monotonic() < deadline, "the batch lines never queued"
+                time.sleep(0.005)
+            answer = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Now."}], max_tokens=4
+            )
+            journal = tmp_path / f"{submitted.id}.output.jsonl"
+            finished_before = len(journal.read_text().splitlines())
+        finally:
+            engine.step_observers.remove(slow)
+        done = _wait(client, submitted.id, {"completed"})
+    assert answer.choices[0].message.content is not None
+    assert finished_before == 1  # the running line, not the waiting one
+    assert done.request_counts.completed == 2
