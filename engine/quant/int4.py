@@ -3,11 +3,15 @@
 (low = -8 scale) and asymmetric int4 alike.
 
 Stored packed two codes a byte along the input (the even input in the low nibble), what the
-quantized folder writes (engine/quant/checkpoint.py). The CPU matmul is torch's
-`_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input dtype on this CPU:
-float32 runs 30x slower), which wants its own blocked layout, made once at first use, and
-(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. On a GPU it is the
-Triton W4A16 kernel (engine/kernels/quant_matmul.py) on the stored layout."""
+quantized folder writes (engine/quant/checkpoint.py). The CPU matmul on float32 activations is
+our compiled kernel (engine/kernels/cpu_quant.py: activations quantized to int8 in blocks of 32,
+integer dot products, as llama.cpp's Q4_1 x Q8_1), which reads this layout in place with the
+scales in float16 where that is exact (a GGUF's are): 20 bytes per 32 weights, a Q4_1 block's
+size. Measured against torch's `_weight_int4pack_mm_for_cpu` it is the faster one at every
+shape the default model runs (docs/PERFORMANCE.md); that kernel remains for bfloat16
+activations and machines where ours does not build, with its own blocked layout made once at
+first use, and (scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. On a
+GPU it is the Triton W4A16 kernel (engine/kernels/quant_matmul.py) on the stored layout."""
 
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.kernels import cpu_quant
 
 
 @dataclass(slots=True)
@@ -26,6 +32,7 @@ class Int4Weight:
     low: torch.Tensor  # float32 [out, in // group]
     group: int
     _cpu: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         out, half = self.packed.shape  # built from stored codes; the CPU layout comes later
@@ -79,6 +86,10 @@ class Int4Weight:
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and self._own_kernel_fits(x):
+            scale, low = self._scales_for_kernel()
+            y = cpu_quant.int4_matmul(x.contiguous(), self.stored(), scale, low, self.group)
+            return y if bias is None else y + bias
         if x.device.type == "cpu" and x.dim() == 2 and self._cpu_kernel_fits():
             packed, scale_zero = self._cpu_layout()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -91,6 +102,23 @@ class Int4Weight:
             y = w4a16_matmul(x, self.stored(), self.scale, self.low, self.group)
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
+
+    def _own_kernel_fits(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype == torch.float32
+            and cpu_quant.fits(self.shape[1], self.group, "int4")
+            and cpu_quant.available()
+        )
+
+    def _scales_for_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # float16 halves the bytes the scales add (8 -> 4 per group) where it changes nothing:
+        # a GGUF's Q4_0/Q4_1 scales are float16 to begin with. Q4_K's products of two scales,
+        # or our own float32 ones, stay float32.
+        if self._kernel_scales is None:
+            half = self.scale.half(), self.low.half()
+            exact = all(torch.equal(h.float(), f) for h, f in zip(half, (self.scale, self.low)))
+            self._kernel_scales = half if exact else (self.scale, self.low)
+        return self._kernel_scales
 
     def _cpu_kernel_fits(self) -> bool:
         # The kernel's own constraints: rows in blocks of 16, groups of 32 or more.

@@ -1,20 +1,23 @@
 """Int8 weights: w[o, i] = scale[o, i // group] * q[o, i], q in [-127, 127].
 
 Per output channel (group = the input width) is what `--quantization int8` makes; groups of 32
-are what a GGUF's Q8_0 blocks hold (loaded as they are, engine/quant/gguf_blocks.py; on the CPU
-their matmul runs on a per-channel requantization, see _cpu_matmul).
+are what a GGUF's Q8_0 blocks hold, 16 its Q6_K's (loaded as they are,
+engine/quant/gguf_blocks.py).
 
-The matmul on CPU is torch's `_weight_int8pack_mm` with bfloat16 activations: measured on this
-class of CPU (AVX512-BF16) it reads the int8 weight at one row about 1.8x faster than oneDNN's
-float32 linear reads a float32 one (63 vs 112 us for a 3072 x 576 weight), while its float32
-path is ten times slower and float16 fifty. On a GPU it is the Triton W8A16 kernel
-(engine/kernels/quant_matmul.py)."""
+The matmul on CPU with float32 activations is our compiled kernel (engine/kernels/cpu_quant.py,
+int8 x int8 dot products in blocks of 32, as llama.cpp's Q8_0 x Q8_0), which takes every one of
+these groupings as stored. Otherwise (bfloat16 activations, or no compiler) it is torch's
+`_weight_int8pack_mm` with bfloat16 activations, which takes one scale per row: grouped codes
+are requantized per channel for it, once (see _torch_matmul). On a GPU it is the Triton W8A16
+kernel (engine/kernels/quant_matmul.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.kernels import cpu_quant
 
 QMAX = 127
 
@@ -66,8 +69,10 @@ class Int8Weight:
         return (q * self.scale[flat][..., None]).view(*ids.shape, cols).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2:
-            y = self._cpu_matmul(x.to(torch.bfloat16)).to(x.dtype)
+        if x.device.type == "cpu" and x.dim() == 2 and self._own_kernel_fits(x):
+            y = cpu_quant.int8_matmul(x.contiguous(), self.q, self.scale, self.group)
+        elif x.device.type == "cpu" and x.dim() == 2:
+            y = self._torch_matmul(x.to(torch.bfloat16)).to(x.dtype)
         elif x.is_cuda and x.dim() == 2:
             from engine.kernels.quant_matmul import w8a16_matmul
 
@@ -76,7 +81,14 @@ class Int8Weight:
             return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
         return y if bias is None else y + bias
 
-    def _cpu_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def _own_kernel_fits(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype == torch.float32
+            and cpu_quant.fits(self.q.shape[1], self.group, "int8")
+            and cpu_quant.available()
+        )
+
+    def _torch_matmul(self, x: torch.Tensor) -> torch.Tensor:
         out, cols = self.q.shape
         if self.group == cols:
             if self._kernel_scale is None:
