@@ -19,6 +19,7 @@ from datetime import datetime
 
 import httpx
 
+from digest.store.job_lock import JobLock, LockHeld
 from engine.server import batch_journal
 from engine.server.batch_config import BatchConfig
 from engine.server.batch_lines import run_line, succeeded, unrun_result
@@ -29,6 +30,10 @@ from engine.server.batch_validate import BatchLine, LineError, parse_input
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often the store is looked at for batches nobody woke us for
+# One runner per batch database: servers that share one (replicas on one PostgreSQL) all take
+# files and batches, and one of them runs them. Its lease is renewed while it lives; a holder
+# killed on this host is replaced at once, one on another host after the lease runs out.
+RUNNER_LOCK, RUNNER_LEASE_S = "batch-runner", 60.0
 RETRY_S = 5.0  # after a batch's driver failed (the database went away): try again then
 EXPIRED = "This request could not be executed before the completion window expired."
 
@@ -70,6 +75,8 @@ class BatchRunner:
         self._wake: asyncio.Event | None = None
         self._slots: asyncio.Semaphore | None = None
         self.lines_finished = {"completed": 0, "failed": 0, "expired": 0}
+        self._lock = JobLock(store.engine, RUNNER_LOCK, lease_s=RUNNER_LEASE_S)
+        self.holds_lock = False
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -93,6 +100,9 @@ class BatchRunner:
                 await task
         if self._client is not None:
             await self._client.aclose()
+        if self.holds_lock:
+            await asyncio.to_thread(self._lock.release)
+            self.holds_lock = False
 
     def wake(self) -> None:
         if self._wake is not None:
@@ -118,11 +128,17 @@ class BatchRunner:
     async def _supervise(self) -> None:
         assert self._wake is not None
         while True:
+            rows = []
             try:
+                if not self.holds_lock:
+                    await asyncio.to_thread(self._lock.acquire)
+                    self.holds_lock = True
+                    log.info("batch runner: running this database's batches")
                 rows = await asyncio.to_thread(self.store.active_batches)
+            except LockHeld:
+                pass  # another server runs them; this one takes over if that one dies
             except Exception:  # noqa: BLE001 - the database is away; the next look may work
                 log.exception("batch runner: cannot list the active batches")
-                rows = []
             for row in rows:
                 if row.id not in self._drivers:
                     task = asyncio.create_task(self._drive(row.id))

@@ -401,3 +401,38 @@ def test_an_interactive_request_goes_before_a_waiting_batch_line(model_dir, tmp_
     assert answer.choices[0].message.content is not None
     assert finished_before == 1  # the running line, not the waiting one
     assert done.request_counts.completed == 2
+
+
+def test_servers_sharing_a_batch_database_run_each_batch_once(model_dir, tmp_path):
+    # Two servers on one database and home (replicas on one PostgreSQL, say): both take
+    # batches, the first started runs them; once it stops, the other takes over.
+    batch = BatchConfig(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'shared.db'}")
+    options = dict(app_options={"batch": batch}, max_model_len=256)
+    first, second = (
+        live_server(model_dir, MODEL, **options),
+        live_server(model_dir, MODEL, **options),
+    )
+    first_url, _ = first.__enter__()
+    try:
+        time.sleep(0.5)  # the first server's runner takes the lease
+        second_url, _ = second.__enter__()
+        try:
+            client = _client(second_url)
+            lines = [_chat_line(f"s{i}", "Hi.") for i in range(3)]
+            assert _wait(client, _submit(client, lines).id, {"completed"})
+            assert (_finished_lines(first_url), _finished_lines(second_url)) == (3, 0)
+            first.__exit__(None, None, None)  # its lease is released as it stops
+            first = None
+            done = _wait(client, _submit(client, lines).id, {"completed"})
+            assert done.request_counts.completed == 3 and _finished_lines(second_url) == 3
+        finally:
+            second.__exit__(None, None, None)
+    finally:
+        if first is not None:
+            first.__exit__(None, None, None)
+
+
+def _finished_lines(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(r'nightshift:batch_lines_finished_total\{outcome="completed"\} (\S+)', text)
+    return int(float(found.group(1))) if found else 0
