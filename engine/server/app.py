@@ -20,7 +20,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.async_engine import AsyncEngine
 from engine.server.auth import APIKeyCheck
-from engine.server.batch_api import install_batch_api
 from engine.server.batch_config import BatchConfig
 from engine.server.cors import CorsConfig, add_cors
 from engine.server.errors import install_error_handlers
@@ -88,6 +87,9 @@ def create_app(
     tokenization = OpenAIServingTokenization(*serving, **trust)
     model_cards = OpenAIServingModels(engine.info, served_model_name)
     if batch is not None:
+        # Imported here: SQLAlchemy and Alembic load only for a server that serves batches.
+        from engine.server.batch_api import install_batch_api
+
         runners.append(install_batch_api(app, batch, served_model_name, api_key, metrics))
 
     @app.get("/health")

@@ -22,7 +22,6 @@ from engine.distributed.rendezvous import env_rendezvous
 from engine.engine_builder import run_tensor_parallel_worker
 from engine.server.app import create_app
 from engine.server.auth import API_KEY_ENV, is_loopback
-from engine.server.batch_api import check_batch_database
 from engine.server.batch_config import BatchConfig
 from engine.server.cors import CorsConfig
 from engine.server.errors import error_body
@@ -155,6 +154,8 @@ def serve(
     # Bound before the model loads: a port in use or a bad host fails at once, in one line.
     sock = listen_socket(host, port)
     if batch is not None:
+        from engine.server.batch_api import check_batch_database
+
         check_batch_database(batch)  # likewise a batch database that cannot be opened
     engine = AsyncEngine(config)
     info = engine.info
