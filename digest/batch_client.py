@@ -49,8 +49,17 @@ class BatchClient:
 
     async def upload(self, filename: str, data: bytes) -> str:
         reply = await self._call(
-            "POST", "files", files={"file": (filename, data)}, data={"purpose": "batch"}
+            "POST",
+            "files",
+            missing_ok=True,
+            files={"file": (filename, data)},
+            data={"purpose": "batch"},
         )
+        if reply is None:
+            raise BatchAPIError(
+                f"{self.config.base_url} has no Batch API (POST /files: 404); start our server "
+                "with --enable-batch-api, or run with --via stream"
+            )
         return reply.json()["id"]
 
     async def create(self, file_id: str, endpoint: str, window: str, metadata: dict) -> dict:

@@ -22,6 +22,7 @@ from digest.store.digest_store import DigestStore
 from digest.store.schema import RunRow
 from engine.server.batch_config import BatchConfig
 from tests.digest.conftest import fresh_database
+from tests.digest.fault_server import FaultServer
 from tests.digest.test_pipeline import DAY, options, write_papers
 from tests.engine.server.live_server import build_chat_model, live_server
 
@@ -178,3 +179,21 @@ def test_local_endpoint_via_batch_survives_a_kill(tmp_path, monkeypatch, sqlite_
     with open_database(sqlite_url).connect() as conn:
         runs = conn.execute(select(RunRow.status, RunRow.batch_id).order_by(RunRow.id)).all()
     assert [tuple(r) for r in runs] == [("interrupted", batch_id), ("succeeded", batch_id)]
+
+
+def test_an_endpoint_without_a_batch_api_fails_the_run_in_one_line(tmp_path, sqlite_url):
+    with FaultServer() as stub:  # an OpenAI-compatible server with chat completions only
+        cmd = [
+            sys.executable, "-m", "nightshift.cli", "digest", "run", "--date", DAY.isoformat(),
+            "--source", str(write_papers(tmp_path / "papers.jsonl")), "--endpoint",
+            stub.base_url, "--model", "stub-model", "--via", "batch", "--db", sqlite_url,
+            "--out", str(tmp_path / "out"),
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "has no Batch API" in errors[0] and "--via stream" in errors[0]
+    assert "Traceback" not in done.stderr
+    with open_database(sqlite_url).connect() as conn:
+        (run,) = conn.execute(select(RunRow.status, RunRow.batch_id)).all()
+    assert tuple(run) == ("failed", None)

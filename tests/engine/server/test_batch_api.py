@@ -436,3 +436,16 @@ def _finished_lines(url: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     found = re.search(r'nightshift:batch_lines_finished_total\{outcome="completed"\} (\S+)', text)
     return int(float(found.group(1))) if found else 0
+
+
+def test_embeddings_endpoint(server):
+    url, _, _ = server
+    client = _client(url)
+    lines = [
+        {"custom_id": f"v{i}", "method": "POST", "url": "/v1/embeddings", "body": {"input": text}}
+        for i, text in enumerate(["a paper", "another paper"])
+    ]
+    done = _wait(client, _submit(client, lines, endpoint="/v1/embeddings").id, {"completed"})
+    results = {r["custom_id"]: r["response"]["body"] for r in _lines(client, done.output_file_id)}
+    direct = client.embeddings.create(model=MODEL, input="another paper")
+    assert results["v1"]["data"][0]["embedding"] == pytest.approx(direct.data[0].embedding)
