@@ -1,4 +1,4 @@
-"""A server killed with `kill -9` mid-batch resumes after its restart: the lines it had finished
+"""A server killed with `kill -9` (or stopped by SIGTERM) mid-batch resumes after its restart: the lines it had finished
 are kept byte for byte and never run again, the rest run once, and the output file holds every
 custom_id exactly once. Batch records on SQLite, and on PostgreSQL when
 NIGHTSHIFT_TEST_DATABASE_URL names one."""
@@ -41,10 +41,19 @@ def _complete_lines(path) -> list[bytes]:
     return data[: data.rfind(b"\n") + 1].splitlines(keepends=True)
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_kill_9_mid_batch_resumes_without_redoing_or_duplicating(
-    backend, model_dir, tmp_path, monkeypatch
+@pytest.mark.parametrize(
+    ("backend", "sig"),
+    [
+        pytest.param("sqlite", signal.SIGKILL, id="sqlite-kill-9"),
+        pytest.param("postgresql", signal.SIGKILL, id="postgresql-kill-9"),
+        pytest.param("sqlite", signal.SIGTERM, id="sqlite-sigterm"),
+    ],
+)
+def test_a_server_stopped_mid_batch_resumes_without_redoing_or_duplicating(
+    backend, sig, model_dir, tmp_path, monkeypatch
 ):
+    """SIGTERM too: a graceful stop drops the lines in flight unjournaled, exits 0, and the
+    restart runs them."""
     if backend == "sqlite":
         url = f"sqlite:///{tmp_path / 'batches.db'}"
     elif PG_URL:
@@ -72,8 +81,8 @@ def test_kill_9_mid_batch_resumes_without_redoing_or_duplicating(
         deadline = time.monotonic() + WAIT_S
         while len(_complete_lines(journal)) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.kill(server.proc.pid, signal.SIGKILL)
-        server.proc.wait(10)
+        os.kill(server.proc.pid, sig)
+        assert server.proc.wait(60) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
     finally:
         server.stop()
     before = _complete_lines(journal)
