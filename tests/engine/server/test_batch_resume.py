@@ -1,6 +1,6 @@
-"""A server killed with `kill -9` (or stopped by SIGTERM) mid-batch resumes after its restart: the lines it had finished
-are kept byte for byte and never run again, the rest run once, and the output file holds every
-custom_id exactly once. Batch records on SQLite, and on PostgreSQL when
+"""A server killed with `kill -9` (or stopped by SIGTERM) mid-batch resumes after its restart:
+the lines it had finished are kept byte for byte and never run again, the rest run once, and the
+output file holds every custom_id exactly once. Batch records on SQLite, and on PostgreSQL when
 NIGHTSHIFT_TEST_DATABASE_URL names one."""
 
 from __future__ import annotations
