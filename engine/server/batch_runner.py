@@ -49,6 +49,9 @@ class ActiveBatch:
     running: set[asyncio.Task] = field(default_factory=set)
     stop_reason: str | None = None  # "cancelled" | "expired"
     stopped: asyncio.Event = field(default_factory=asyncio.Event)
+    # Lines that ended without a journal entry (the disk refused the write): the batch must
+    # not finish as if they had run; it is driven again, and they run again.
+    unrecorded: list[BaseException] = field(default_factory=list)
 
     def stop(self, reason: str) -> None:
         if self.stop_reason is None:
@@ -220,6 +223,9 @@ class BatchRunner:
         done = set(done_ok) | set(done_failed)
         active = ActiveBatch(row.id, len(lines), len(done_ok), len(done_failed))
         self.active[row.id] = active
+        current = await asyncio.to_thread(self.store.batch, row.id)
+        if current is not None and current.status == "cancelling":
+            active.stop("cancelled")  # the cancel came before this batch was registered
         todo = [line for line in lines if line.custom_id not in done]
         if done:
             log.info("batch %s: resuming, %d of %d lines done", row.id, len(done), len(lines))
@@ -232,6 +238,12 @@ class BatchRunner:
         finally:
             timer.cancel()
             self.active.pop(row.id, None)
+        if active.unrecorded and active.stop_reason != "cancelled":
+            first = active.unrecorded[0]
+            raise RuntimeError(
+                f"{len(active.unrecorded)} lines ended unrecorded ({type(first).__name__}: "
+                f"{first}); they run again"
+            )
         if active.stop_reason == "expired":
             await self._write_unrun(row.id, lines)
             await self._finish(row.id, "expired")
@@ -285,7 +297,12 @@ class BatchRunner:
         result = await run_line(self._client, row.endpoint, line, self.config.priority)
         ok = succeeded(result)
         # Journaled before anything else can interrupt: a finished line is never run again.
-        batch_journal.append(self.store.journal(row.id, "output" if ok else "errors"), result)
+        try:
+            batch_journal.append(self.store.journal(row.id, "output" if ok else "errors"), result)
+        except OSError as e:
+            log.error("batch %s: line %s ran but cannot be recorded: %s", row.id, line.line, e)
+            active.unrecorded.append(e)
+            return
         if ok:
             active.completed += 1
         else:
