@@ -28,7 +28,8 @@ class EngineConfig:
     seed: int = 0
     profile_path: Path | None = None  # step profiler: one JSON line per step when set
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
-    attention_backend: str = "auto"  # auto (cuda: triton, cpu: torch), torch, triton
+    # auto (cuda: triton; cpu: cpu, torch with fused C kernels, else torch), torch, cpu, triton
+    attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # Speculative decoding (engine/spec/): None, "ngram" (prompt lookup) or "draft" (a smaller
     # model with the same tokenizer, at draft_model). Each step proposes up to
@@ -63,9 +64,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
+                "attention_backend must be auto, torch, cpu or triton, "
+                f"not {self.attention_backend!r}"
             )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

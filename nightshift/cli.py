@@ -243,7 +243,10 @@ def serve(
         float, typer.Option(help="GPU: fraction of device memory for weights, activations, KV.")
     ] = 0.9,
     attention_backend: Annotated[
-        str, typer.Option(help="auto (cuda: triton, cpu: torch), torch or triton.")
+        str,
+        typer.Option(
+            help="auto (cuda: triton; cpu: cpu, torch with fused C kernels), torch, cpu, triton."
+        ),
     ] = "auto",
     enforce_eager: Annotated[
         bool, typer.Option("--enforce-eager", help="GPU: no CUDA graphs for decode steps.")

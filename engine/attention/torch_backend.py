@@ -210,6 +210,8 @@ class _Bucket:
     q_len: int  # query tokens per request
     blocks: torch.Tensor  # [n * max_blocks] block ids to gather, request after request
     mask: torch.Tensor  # [n, 1, q_len * G or 1, keys]: which keys each query row sees
+    block_tables: torch.Tensor  # [n, max_blocks] the requests' rows of meta.block_tables
+    seq_lens: torch.Tensor  # [n]
 
 
 def _bucket(meta: AttentionMetadata, first: int, last: int, q_len: int, group: int) -> _Bucket:
@@ -229,4 +231,5 @@ def _bucket(meta: AttentionMetadata, first: int, last: int, q_len: int, group: i
         mask = mask[:, :, None, :].expand(-1, -1, group, -1)
         mask = mask.reshape(last - first, 1, q_len * group, -1)
     start, end = meta.query_start_loc[first], meta.query_start_loc[last]
-    return _Bucket(start, end, q_len, blocks, mask)
+    tables, lens = meta.block_tables[first:last], meta.seq_lens[first:last]
+    return _Bucket(start, end, q_len, blocks, mask, tables, lens)

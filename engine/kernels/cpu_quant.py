@@ -1,37 +1,25 @@
-"""The CPU's int4/int8 matmuls (cpu_quant_matmul.c), compiled at first use and called via ctypes.
-
-Why compiled here rather than shipped: the kernel is built with -march=native, so it uses the
-widest integer dot product the machine has (AVX512-VNNI, AVX-VNNI, AVX2) without a runtime
-dispatcher, and a pure-Python wheel stays pure. The shared object is cached under
-$NIGHTSHIFT_HOME/kernels/, keyed by the source, the compiler command and the CPU's model and
-flags (a home directory shared between machines must not hand one CPU another's build). No
-compiler, or a build that fails, leaves `available()` False and the weights on torch's kernels,
-with one warning in the log; NIGHTSHIFT_CPU_QUANT_KERNEL=0 asks for torch's kernels outright.
-
-It is linked against the libgomp torch already loaded (same soname), so its OpenMP threads are
-torch's pool and its thread count is torch's (passed on each call: OpenMP's own count is
-per-thread state, and the engine may run on a thread that never set it).
+"""The CPU's int4/int8 matmuls (cpu_quant_matmul.c), built at first use (engine/kernels/
+cpu_build.py) and called via ctypes. No compiler, or a build that fails, leaves `available()`
+False and the weights on torch's kernels, with one warning in the log;
+NIGHTSHIFT_CPU_QUANT_KERNEL=0 asks for torch's kernels outright.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
+from engine.kernels import cpu_build
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_quant_matmul.c")
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 BLOCK = 32  # the activations' quantization block; K must be a multiple of it
 
 _lock = threading.Lock()
@@ -110,12 +98,6 @@ def fits(k: int, group: int, kind: str) -> bool:
     return group % BLOCK == 0 or (kind == "int8" and group == 16)
 
 
-def march() -> str:
-    """-march for the build: native, or NIGHTSHIFT_CPU_QUANT_MARCH (x86-64-v3 is the AVX2 code,
-    x86-64 the scalar one; the tests build each)."""
-    return os.environ.get("NIGHTSHIFT_CPU_QUANT_MARCH", "native")
-
-
 def _check(rc: int, kind: str, k: int, group: int) -> None:
     if rc == -1:
         raise MemoryError(f"{kind} CPU matmul: no memory for the quantized activations")
@@ -138,54 +120,12 @@ def _load() -> Kernel | None:
     if os.environ.get("NIGHTSHIFT_CPU_QUANT_KERNEL", "1") == "0":
         return None
     try:
-        return build(march())
+        return build(cpu_build.march())
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("no CPU quantized-matmul kernel (%s): using torch's kernels", e)
         return None
 
 
 def build(march: str) -> Kernel:
-    """The kernel compiled for -march=`march` (cached); OSError or SubprocessError if it
-    cannot be."""
-    if platform.system() != "Linux":
-        raise OSError("the kernel's build line is for Linux")
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        raise OSError("no C compiler found (gcc or cc, or $CC)")
-    return Kernel(ctypes.CDLL(str(_build(compiler, march))))
-
-
-def _build(compiler: str, march: str) -> Path:
-    from engine.model_fetch import nightshift_home
-
-    command = [compiler, *FLAGS, f"-march={march}"]
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(command).encode() + _cpu_identity().encode()
-    ).hexdigest()[:16]
-    target = nightshift_home() / "kernels" / f"cpu_quant_matmul-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: two processes building at once each
-    # finish their own file, and neither loads a half-written one.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        done = subprocess.run(
-            [*command, str(SOURCE), "-o", str(out), "-lm"],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        if done.returncode:
-            raise subprocess.SubprocessError(done.stderr.strip()[-500:] or "compiler failed")
-        os.replace(out, target)
-    log.info("built the CPU quantized-matmul kernel: %s", target)
-    return target
-
-
-def _cpu_identity() -> str:
-    """The CPU's model name and feature flags (what -march=native compiles for)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(keep)))
+    """This kernel compiled for -march=`march` (cached): OSError or SubprocessError if not."""
+    return Kernel(cpu_build.build(SOURCE, march))

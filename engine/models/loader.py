@@ -50,9 +50,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kernels(kind: str, device: torch.device) -> str:
-    """ "auto": Triton kernels on CUDA, torch on the CPU (where Triton runs only interpreted)."""
+    """ "auto": Triton kernels on CUDA; on the CPU (where Triton runs only interpreted) torch
+    with the fused C kernels ("cpu"), or plain torch where they do not build."""
     if kind == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        from engine.kernels import cpu_ops
+
+        return "cpu" if cpu_ops.available() else "torch"
     return kind
 
 
@@ -62,6 +67,10 @@ def attention_backend(kind: str) -> AttentionBackend:
         from engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if kind == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     return TorchAttentionBackend()
 
 

@@ -1,7 +1,8 @@
 """The seam between the decoder and its non-attention element-wise ops.
 
-Two implementations with the same four methods: TorchOps, today's torch code (the CPU path and
-the reference in tests), and TritonOps, the fused kernels in engine/kernels (the GPU path).
+Implementations with the same methods: TorchOps, plain torch (the reference in tests), CpuOps,
+TorchOps with fused C kernels for float32 on the CPU (the CPU path), and TritonOps, the fused
+kernels in engine/kernels (the GPU path).
 The model holds one and calls ops.rms_norm / add_rms_norm / rotary / silu_and_mul; which one
 is a configuration choice made once, by make_ops.
 
@@ -63,6 +64,40 @@ class TorchOps:
         return F.silu(gate).mul_(up)
 
 
+class CpuOps(TorchOps):
+    """TorchOps with the fused float32 CPU kernels (engine/kernels/cpu_ops.c) for the norms and
+    SiLU-and-mul: one call each instead of several torch ops, which at a decode step's few rows
+    is mostly dispatch. Other dtypes and devices, and rotary, stay on torch."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from engine.kernels import cpu_ops
+
+        self._kernel = cpu_ops.kernel()
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return self._kernel is not None and x.dtype == torch.float32 and x.device.type == "cpu"
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._fused(x) and w.dtype == torch.float32:
+            return self._kernel.rms_norm(x, w, eps)
+        return super().rms_norm(x, w, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fused(x) and residual.dtype == w.dtype == torch.float32:
+            return self._kernel.add_rms_norm(x, residual, w, eps)
+        return super().add_rms_norm(x, residual, w, eps)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self._fused(gate_up):
+            return self._kernel.silu_and_mul(gate_up)
+        return super().silu_and_mul(gate_up)
+
+
 class TritonOps:
     """Fused Triton kernels; tensors must be on a CUDA device (or TRITON_INTERPRET=1 on CPU)."""
 
@@ -100,9 +135,12 @@ class TritonOps:
 
 
 def make_ops(kind: str) -> TorchOps | TritonOps:
-    """The ops implementation by name: "torch" (CPU, reference) or "triton" (fused kernels)."""
+    """The ops implementation by name: "torch" (reference), "cpu" (torch with fused C kernels)
+    or "triton" (fused GPU kernels)."""
     if kind == "torch":
         return TorchOps()
+    if kind == "cpu":
+        return CpuOps()
     if kind == "triton":
         return TritonOps()
-    raise ValueError(f"unknown ops kind {kind!r} (expected 'torch' or 'triton')")
+    raise ValueError(f"unknown ops kind {kind!r} (expected 'torch', 'cpu' or 'triton')")
