@@ -3,15 +3,15 @@
 (low = -8 scale) and asymmetric int4 alike.
 
 Stored packed two codes a byte along the input (the even input in the low nibble), what the
-quantized folder writes (engine/quant/checkpoint.py). The CPU matmul on float32 activations is
-our compiled kernel (engine/kernels/cpu_quant.py: activations quantized to int8 in blocks of 32,
-integer dot products, as llama.cpp's Q4_1 x Q8_1), which reads this layout in place with the
-scales in float16 where that is exact (a GGUF's are): 20 bytes per 32 weights, a Q4_1 block's
-size. Measured against torch's `_weight_int4pack_mm_for_cpu` it is the faster one at every
-shape the default model runs (docs/PERFORMANCE.md); that kernel remains for bfloat16
-activations and machines where ours does not build, with its own blocked layout made once at
-first use, and (scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. On a
-GPU it is the Triton W4A16 kernel (engine/kernels/quant_matmul.py) on the stored layout."""
+quantized folder writes (engine/quant/checkpoint.py). The CPU matmul is torch's
+`_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input dtype on this CPU:
+float32 runs 30x slower), which wants its own blocked layout, made once at first use, and
+(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. It was chosen by
+measurement over our compiled kernel (engine/kernels/cpu_quant.py: int8 activations, integer
+dot products), which streams the default model's 120 int4 projections in 5.1-5.5 ms a token
+against torch's 4.1, and is 1.7-2x slower from 2 rows up (docs/PERFORMANCE.md); ours runs the
+shapes torch's does not take (rows not in 16s). On a GPU it is the Triton W4A16 kernel
+(engine/kernels/quant_matmul.py) on the stored layout."""
 
 from __future__ import annotations
 
@@ -86,15 +86,16 @@ class Int4Weight:
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2 and self._own_kernel_fits(x):
-            scale, low = self._scales_for_kernel()
-            y = cpu_quant.int4_matmul(x.contiguous(), self.stored(), scale, low, self.group)
-            return y if bias is None else y + bias
         if x.device.type == "cpu" and x.dim() == 2 and self._cpu_kernel_fits():
             packed, scale_zero = self._cpu_layout()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), packed, self.group, scale_zero
             ).to(x.dtype)
+            return y if bias is None else y + bias
+        if x.device.type == "cpu" and x.dim() == 2 and self._own_kernel_fits(x):
+            # rows not in 16s (torch's kernel's constraint): ours, on the stored layout
+            scale, low = self._scales_for_kernel()
+            y = cpu_quant.int4_matmul(x.contiguous(), self.stored(), scale, low, self.group)
             return y if bias is None else y + bias
         if x.is_cuda and x.dim() == 2:
             from engine.kernels.quant_matmul import w4a16_matmul
