@@ -28,7 +28,7 @@ class EngineConfig:
     seed: int = 0
     profile_path: Path | None = None  # step profiler: one JSON line per step when set
     num_threads: int | None = None  # torch CPU threads; None keeps torch's default
-    # auto (cuda: triton; cpu: cpu, torch with fused C kernels, else torch), torch, cpu, triton
+    # auto (cuda: triton, cpu: torch), torch, cpu (torch with fused C kernels; opt-in), triton
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     # Speculative decoding (engine/spec/): None, "ngram" (prompt lookup) or "draft" (a smaller

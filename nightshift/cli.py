@@ -245,7 +245,7 @@ def serve(
     attention_backend: Annotated[
         str,
         typer.Option(
-            help="auto (cuda: triton; cpu: cpu, torch with fused C kernels), torch, cpu, triton."
+            help="auto (cuda: triton, cpu: torch), torch, cpu (fused C kernels, opt-in), triton."
         ),
     ] = "auto",
     enforce_eager: Annotated[

@@ -50,14 +50,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_kernels(kind: str, device: torch.device) -> str:
-    """ "auto": Triton kernels on CUDA; on the CPU (where Triton runs only interpreted) torch
-    with the fused C kernels ("cpu"), or plain torch where they do not build."""
+    """ "auto": Triton kernels on CUDA, torch on the CPU (where Triton runs only interpreted).
+    "cpu" (torch with the fused C kernels) is opt-in for now: faster at batch 1, but a served
+    run at concurrency 8 measured several times slower, not yet explained (docs/PERFORMANCE.md)."""
     if kind == "auto":
-        if device.type == "cuda":
-            return "triton"
-        from engine.kernels import cpu_ops
-
-        return "cpu" if cpu_ops.available() else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     return kind
 
 

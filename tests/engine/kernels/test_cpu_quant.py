@@ -114,13 +114,14 @@ def test_zero_and_extreme_activations(kernel):
 
 @needs_compiler
 def test_thread_counts_agree():
+    kernel = cpu_quant.build("native")
     w, x = quantize_int4(torch.randn(100, 256), 32), torch.randn(4, 256)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_quant.int4_matmul(x, w.packed, w.scale, w.low, 32)
+        one = kernel.int4_matmul(x, w.packed, w.scale, w.low, 32)
         torch.set_num_threads(2)
-        two = cpu_quant.int4_matmul(x, w.packed, w.scale, w.low, 32)
+        two = kernel.int4_matmul(x, w.packed, w.scale, w.low, 32)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # rows are split between threads, never a sum
@@ -135,8 +136,23 @@ def test_shapes_it_does_not_take_are_refused(kernel):
     assert cpu_quant.fits(64, 16, "int8") and not cpu_quant.fits(64, 16, "int4")
 
 
+@pytest.fixture
+def kernel_on(monkeypatch):
+    """The kernel switched on (NIGHTSHIFT_CPU_QUANT_KERNEL=1) for this test only."""
+    monkeypatch.setenv("NIGHTSHIFT_CPU_QUANT_KERNEL", "1")
+    monkeypatch.setattr(cpu_quant, "_tried", False)
+    monkeypatch.setattr(cpu_quant, "_default", None)
+
+
+def test_off_unless_asked_for(monkeypatch):
+    monkeypatch.delenv("NIGHTSHIFT_CPU_QUANT_KERNEL", raising=False)
+    monkeypatch.setattr(cpu_quant, "_tried", False)
+    monkeypatch.setattr(cpu_quant, "_default", None)
+    assert not cpu_quant.available()
+
+
 @needs_compiler
-def test_quantized_linear_uses_it_where_chosen_and_stays_close_to_float():
+def test_quantized_linear_uses_it_where_chosen_and_stays_close_to_float(kernel_on):
     # Int8Weight.linear on float32 CPU activations goes through the kernel; Int4Weight only for
     # rows not in 16s (torch's int4 kernel measured faster where it fits, engine/quant/int4.py).
     assert cpu_quant.available(), "the default build should load on this machine"
@@ -161,13 +177,11 @@ def test_cache_key_changes_with_march(tmp_path, monkeypatch):
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 2 - (platform.machine() != "x86_64")
 
 
-def test_without_a_compiler_linear_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+def test_without_a_compiler_linear_falls_back_to_torch(tmp_path, monkeypatch, caplog, kernel_on):
     monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path))  # no cached build to find
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(OSError):
         cpu_quant.build("native")
-    monkeypatch.setattr(cpu_quant, "_tried", False)
-    monkeypatch.setattr(cpu_quant, "_default", None)
     with caplog.at_level("WARNING", logger="engine.kernels.cpu_quant"):
         assert not cpu_quant.available()
     assert "no CPU quantized-matmul kernel" in caplog.text
