@@ -12,13 +12,14 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Literal
 
 from digest.batch_calls import BatchPlan
 from digest.batch_client import BatchClientConfig
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
+from digest.clean_text import clean_paper
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
 from digest.paper import Paper, papers_count
 from digest.paper_results import (
@@ -46,7 +47,15 @@ from digest.render import write_listings, write_outputs, write_pages
 from digest.review import InputBasis
 from digest.review_parse import review_response_format
 from digest.run_report import RunReport
-from digest.sources import load_papers
+from digest.sources import DEFAULT_CATEGORIES, load_papers
+from digest.sources.arxiv_api import API_URL
+from digest.sources.arxiv_new import (
+    DEFAULT_OVERLAP,
+    fetch_arxiv_new,
+    newest_submission,
+    source_key,
+    window_start,
+)
 from digest.sources.fulltext import HTML_URL, fetch_fulltext, truncate_text
 from digest.sources.polite_http import PoliteClient, PoliteHttpConfig
 from digest.store import migrate
@@ -69,6 +78,11 @@ class RunOptions:
     categories: list[str] | None = None
     max_papers: int | None = None
     source: str = "arxiv"  # arxiv | rss | a file path
+    # arxiv: "new" takes what was announced since the last night (the source's watermark in
+    # the store, less `overlap`; digest/sources/arxiv_new.py), "day" the submissions of
+    # `digest_date` (an explicit backfill).
+    selection: Literal["new", "day"] = "day"
+    overlap: timedelta = DEFAULT_OVERLAP
     input_mode: InputBasis = "abstract"
     endpoint: str = LOCAL
     model: str | None = None
@@ -146,7 +160,7 @@ def run_digest(
                 log.info("%s: asking the model again (--redo)", paper_id)
                 store.forget_results(paper_id, model_name, PROMPT_VERSION)
                 store.set_item(options.digest_date, paper_id, "pending", run_id, None)
-            inputs = _prepare_inputs(store, options)
+            inputs = _prepare_inputs(store, options, run_id)
             work = [i for i in inputs if not _is_done(store, i, model_name)]
             _mark_done(store, options.digest_date, run_id, inputs, work)
             log.info("%d of %s need model calls", len(work), papers_count(len(inputs)))
@@ -265,6 +279,7 @@ def _params(options: RunOptions) -> dict:
         "categories",
         "max_papers",
         "source",
+        "selection",
         "input_mode",
         "endpoint",
         "model",
@@ -277,33 +292,82 @@ def _params(options: RunOptions) -> dict:
     return {k: v for k, v in asdict(options).items() if k in keep}
 
 
-def _prepare_inputs(store: DigestStore, options: RunOptions) -> list[PaperInput]:
-    """Fetch the day's papers, store them, and build each paper's model input."""
+def _prepare_inputs(store: DigestStore, options: RunOptions, run_id: int) -> list[PaperInput]:
+    """Fetch the night's papers, store them, and build each paper's model input."""
     with PoliteClient(options.http) as client:
-        kwargs = {}
-        if options.arxiv_api_url:
-            kwargs["api_url"] = options.arxiv_api_url
-        if options.arxiv_rss_url:
-            kwargs["rss_url"] = options.arxiv_rss_url
-        papers = load_papers(
-            options.source,
-            categories=options.categories,
-            day=options.digest_date,
-            max_papers=options.max_papers,
-            client=client,
-            include_cross=options.include_cross,
-            **kwargs,
-        )
-        log.info("%s from %s", papers_count(len(papers)), options.source)
-        store.upsert_papers(papers)
-        if options.republished == "skip":
-            papers = _skip_republished(store, options.digest_date, papers)
-        store.add_items(options.digest_date, papers, options.input_mode)
+        if options.source == "arxiv" and options.selection == "new":
+            _list_new_papers(store, client, options, run_id)
+        else:
+            _list_papers(store, client, options)
         # The stored list of the date, not just this fetch: a rerun also finishes papers that an
         # earlier run of the date listed.
         listed = [paper for _, paper in store.items(options.digest_date)]
         budget = _fulltext_budget(options) if options.input_mode == "fulltext" else 0
         return [_paper_input(store, client, options, paper, budget) for paper in listed]
+
+
+def _list_new_papers(
+    store: DigestStore, client: PoliteClient, options: RunOptions, run_id: int
+) -> None:
+    """List under the date what arXiv announced since the last night, and move the watermark."""
+    categories = options.categories or list(DEFAULT_CATEGORIES)
+    key = source_key(categories)
+    mark = store.watermark(key)
+    since = window_start(mark, options.digest_date, options.overlap)
+    new = fetch_arxiv_new(
+        client,
+        categories,
+        since,
+        options.max_papers,
+        lambda ids: store.listed_elsewhere(options.digest_date, ids),
+        base_url=options.arxiv_api_url or API_URL,
+    )
+    papers = [clean_paper(p) for p in new.papers]
+    log.info(
+        "%s new on arXiv since %s (%s; %d already in other digests%s)",
+        papers_count(len(papers)),
+        since.isoformat(timespec="minutes"),
+        f"watermark {mark.isoformat(timespec='minutes')}" if mark else "first night",
+        new.skipped,
+        f"; {new.waiting}+ wait for the next run (--max-papers)" if new.waiting else "",
+    )
+    store.upsert_papers(papers)
+    store.add_items(options.digest_date, papers, options.input_mode)
+    # Only now that they are listed: a run killed before this line asks again from the old
+    # watermark and finds these papers listed under its date, not lost.
+    if (newest := newest_submission(papers)) is not None:
+        store.advance_watermark(key, newest, run_id)
+
+
+def _list_papers(store: DigestStore, client: PoliteClient, options: RunOptions) -> None:
+    """List under the date the day's arXiv submissions, the feed's announcements or a file's
+    papers."""
+    kwargs = {}
+    if options.arxiv_api_url:
+        kwargs["api_url"] = options.arxiv_api_url
+    if options.arxiv_rss_url:
+        kwargs["rss_url"] = options.arxiv_rss_url
+    papers = load_papers(
+        options.source,
+        categories=options.categories,
+        day=options.digest_date,
+        max_papers=options.max_papers,
+        client=client,
+        include_cross=options.include_cross,
+        **kwargs,
+    )
+    log.info("%s from %s", papers_count(len(papers)), options.source)
+    if options.source == "arxiv":
+        # A backfill lists only what no night took: nights select by announcement, so a
+        # day's submissions may already be in the digests after that day.
+        taken = store.listed_elsewhere(options.digest_date, [p.arxiv_id for p in papers])
+        if taken:
+            log.info("%s already in other digests; left out", papers_count(len(taken)))
+            papers = [p for p in papers if p.arxiv_id not in taken]
+    store.upsert_papers(papers)
+    if options.republished == "skip":
+        papers = _skip_republished(store, options.digest_date, papers)
+    store.add_items(options.digest_date, papers, options.input_mode)
 
 
 def _skip_republished(store: DigestStore, day: date, papers: list[Paper]) -> list[Paper]:

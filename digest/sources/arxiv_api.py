@@ -70,10 +70,10 @@ def keep_latest_versions(papers: Iterable[Paper]) -> list[Paper]:
 
 def parse_atom(text: str | bytes, origin: str, strict: bool = False) -> list[Paper]:
     """Papers of an arXiv API response, current or older (line-wrapped) format."""
-    return _papers(parse_feed(text, origin, strict), origin)
+    return page_papers(parse_feed(text, origin, strict), origin)
 
 
-def _papers(feed: Any, origin: str) -> list[Paper]:
+def page_papers(feed: Any, origin: str) -> list[Paper]:
     message = _api_error(feed)
     if message is not None:
         raise SourceError(f"{origin}: arXiv API error: {message}")
@@ -136,8 +136,8 @@ def fetch_arxiv_api(
     start = 0
     while max_papers is None or len(papers) < max_papers:
         wanted = page_size if max_papers is None else min(page_size, max_papers - len(papers))
-        feed = _get_page(client, base_url, query, start, wanted)
-        papers = keep_latest_versions([*papers, *_papers(feed, f"{base_url} (start={start})")])
+        feed = get_page(client, base_url, query, start, wanted)
+        papers = keep_latest_versions([*papers, *page_papers(feed, f"{base_url} (start={start})")])
         start += len(feed.entries)
         total = str(feed.feed.get("opensearch_totalresults", "0")).strip()
         if start >= (int(total) if total.isdigit() else 0):
@@ -148,7 +148,7 @@ def fetch_arxiv_api(
     return papers[:max_papers]
 
 
-def _get_page(client: PoliteClient, base_url: str, query: str, start: int, size: int) -> Any:
+def get_page(client: PoliteClient, base_url: str, query: str, start: int, size: int) -> Any:
     params: dict[str, str | int] = {
         "search_query": query,
         # Ascending: submissions arriving while we page append at the end, offsets stay valid.

@@ -22,6 +22,7 @@ from digest.store.schema import (
     PaperRow,
     ReviewRow,
     RunRow,
+    SourceWatermarkRow,
     SummaryRow,
 )
 
@@ -217,6 +218,50 @@ class DigestStore:
                 .group_by(DigestItemRow.paper_id)
             ).all()
             return dict(rows)
+
+    def listed_elsewhere(self, digest_date: date, paper_ids: list[str]) -> set[str]:
+        """Those of these papers that the digest of another date lists, whatever their status:
+        a nightly run takes only papers no digest has (a failed one is finished by rerunning
+        its own date, not listed again)."""
+        found: set[str] = set()
+        with self.session() as s:
+            for start in range(0, len(paper_ids), 500):  # bounded IN lists
+                chunk = paper_ids[start : start + 500]
+                found.update(
+                    s.scalars(
+                        select(DigestItemRow.paper_id).where(
+                            DigestItemRow.paper_id.in_(chunk),
+                            DigestItemRow.digest_date != digest_date,
+                        )
+                    )
+                )
+        return found
+
+    # -- source watermarks ---------------------------------------------------------------------
+
+    def watermark(self, source_key: str) -> datetime | None:
+        with self.session() as s:
+            row = s.get(SourceWatermarkRow, source_key)
+            return _as_utc(row.watermark) if row else None
+
+    def advance_watermark(self, source_key: str, value: datetime, run_id: int) -> datetime:
+        """Move the source's watermark up to `value` (never back: a backfill or a rerun of an
+        older night must not make the next night read less); returns the watermark now."""
+        with self._session.begin() as s:
+            row = s.get(SourceWatermarkRow, source_key, with_for_update=True)
+            if row is None:
+                s.add(
+                    SourceWatermarkRow(
+                        source_key=source_key, watermark=value, run_id=run_id, updated_at=utcnow()
+                    )
+                )
+                return value
+            current = _as_utc(row.watermark)
+            assert current is not None
+            if value > current:
+                row.watermark, row.run_id, row.updated_at = value, run_id, utcnow()
+                return value
+            return current
 
     def items(self, digest_date: date) -> list[tuple[DigestItemRow, Paper]]:
         with self.session() as s:

@@ -175,6 +175,19 @@ class ModelCallRow(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(32))
 
 
+class SourceWatermarkRow(Base):
+    """How far a nightly source has been read: the newest submission time among the papers a
+    run took from it, per source and category set. The next run queries from here, less an
+    overlap, so that papers announced late are still found (`digest/sources/arxiv_new.py`)."""
+
+    __tablename__ = "source_watermarks"
+
+    source_key: Mapped[str] = mapped_column(String(500), primary_key=True)  # "arxiv:cs.CL,cs.LG"
+    watermark: Mapped[datetime] = mapped_column(UtcDateTime)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"))
+    updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
 class JobLockRow(Base):
     """A lease: who runs the job now. Portable across SQLite and PostgreSQL (no advisory locks)."""
 

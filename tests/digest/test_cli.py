@@ -159,9 +159,9 @@ def test_db_commands(sqlite_url):
     result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
     assert result.exit_code == 0 and "current: base (empty)" in result.output
     result = runner.invoke(app, ["db", "upgrade", "--db", sqlite_url])
-    assert result.exit_code == 0 and "database at 0003" in result.output
+    assert result.exit_code == 0 and "database at 0004" in result.output
     result = runner.invoke(app, ["db", "current", "--db", sqlite_url])
-    assert "current: 0003" in result.output and "head:    0003" in result.output
+    assert "current: 0004" in result.output and "head:    0004" in result.output
     result = runner.invoke(app, ["db", "downgrade", "base", "--db", sqlite_url])
     assert result.exit_code == 0 and "database at base" in result.output
 
