@@ -39,6 +39,7 @@ import torch
 from digest.sources.local_file import load_papers_file
 from engine.bench import cpu_name
 from engine.config import EngineConfig
+from engine.cpu_threads import configure_threads
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
@@ -407,8 +408,8 @@ def run_accuracy_bench(cfg: AccuracyBenchConfig, echo: Callable[[str], None] = p
     order = run_order(cfg.formats)
     for name in order:  # every format checked before minutes of float32
         format_options(name)
-    if cfg.threads:  # llama-perplexity gets the same count (-t)
-        torch.set_num_threads(cfg.threads)
+    # Every engine below resolves the same count; llama-perplexity gets it too (-t).
+    configure_threads(cfg.threads)
     model_dir = resolve_model(cfg.model)
     max_model_len = min(cfg.max_model_len, load_model_config(model_dir).max_position_embeddings)
     if cfg.max_tokens >= max_model_len:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.cpu_threads import configure_threads
 from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
 
@@ -234,8 +235,8 @@ def _batch1_hf(model, prompt: list[int], n: int) -> SideResult:
 def run_bench(cfg: BenchConfig, echo: Callable[[str], None] = print) -> dict:
     from engine.model_fetch import resolve_model
 
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    # Both sides run in this process on the same count; every engine below resolves it alike.
+    configure_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model(cfg.model)
     from engine.models.model_config import load_model_config
@@ -329,6 +330,7 @@ def _engine(cfg: BenchConfig, model_dir, **options):
         seed=cfg.seed,
         quantization=cfg.quantization,
         kv_cache_dtype=cfg.kv_cache_dtype,
+        num_threads=cfg.threads,
         **options,
     )
 
@@ -343,9 +345,7 @@ def _run_tensor_parallel(
 ) -> dict:
     """The same workload on cfg.tensor_parallel_size ranks (worker processes sharing this
     machine's cores), as a ratio to one rank measured in the same run."""
-    llm = _engine(
-        cfg, model_dir, tensor_parallel_size=cfg.tensor_parallel_size, num_threads=cfg.threads
-    )
+    llm = _engine(cfg, model_dir, tensor_parallel_size=cfg.tensor_parallel_size)
     try:
         warm = make_workload(cfg, llm.engine.core.vocab_size, n=2)
         warm.output_lens = [4, 4]

@@ -27,7 +27,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     profile_path: Path | None = None  # step profiler: one JSON line per step when set
-    num_threads: int | None = None  # torch CPU threads; None keeps torch's default
+    # torch CPU threads; None: OMP_NUM_THREADS when set, else the physical cores this process
+    # may use (affinity, cgroup quota; engine/cpu_threads.py)
+    num_threads: int | None = None
     # auto (cuda: triton, cpu: torch), torch, cpu (torch with fused C kernels; opt-in), triton
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
@@ -69,6 +71,8 @@ class EngineConfig:
                 "attention_backend must be auto, torch, cpu or triton, "
                 f"not {self.attention_backend!r}"
             )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

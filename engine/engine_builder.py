@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.attention.kv_quant import kv_cache_format
 from engine.config import EngineConfig
+from engine.cpu_threads import configure_threads
 from engine.device_memory import MemoryProfile, check_fits, profile_gpu_memory
 from engine.distributed.rendezvous import Rendezvous, env_rendezvous, join_timeout
 from engine.engine_core import EngineCore
@@ -106,8 +107,7 @@ def build_engine_core(
 
 def place(config: EngineConfig, model_dir: Path, model_config: ModelConfig) -> Placement:
     config.validate()
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    configure_threads(config.num_threads)  # logs the count and where it came from
     device = resolve_device(config.device)
     return Placement(
         model_dir,

@@ -24,6 +24,14 @@ QUANTIZATION_OPTION = typer.Option(
     "a float checkpoint is quantized at load.",
 )
 QUANT_GROUP_OPTION = typer.Option(help="int4: input elements per scale (32, 64 or 128).")
+THREADS_HELP = (
+    "torch CPU threads (default: $OMP_NUM_THREADS, else the physical cores this process may use: "
+    "CPU affinity, cgroup CPU quota, one per core not per SMT thread)."
+)
+THREADS_OPTION = typer.Option("--threads", help=THREADS_HELP)
+BENCH_THREADS_OPTION = typer.Option(
+    "--threads", help="torch CPU threads for every side (same default as `serve --threads`)."
+)
 KV_CACHE_DTYPE_OPTION = typer.Option(
     help="KV cache: auto (the model's dtype), fp8 (e4m3) or int8, each with a float32 scale per "
     "token and KV head (about 2x the blocks of bf16, 4x of float32, in the same memory).",
@@ -228,6 +236,7 @@ def serve(
     ] = 10,
     dtype: Annotated[str, typer.Option()] = "auto",
     device: Annotated[str, typer.Option()] = "auto",
+    threads: Annotated[int | None, THREADS_OPTION] = None,
     block_size: Annotated[int, typer.Option()] = 16,
     num_kv_blocks: Annotated[int | None, typer.Option()] = None,
     kv_cache_memory: Annotated[int | None, typer.Option(help="KV pool bytes.")] = None,
@@ -288,6 +297,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (chat, completions, models, health)."""
     from engine.config import EngineConfig
+    from engine.cpu_threads import check_threads
     from engine.distributed.rendezvous import RankMismatchError, RendezvousError
     from engine.server.auth import resolve_api_key
     from engine.server.batch_config import BatchConfig
@@ -304,10 +314,12 @@ def serve(
     # Bad options, a bad model folder, an unsafe bind, a batch database that cannot be opened:
     # one line and exit 2, no traceback.
     with user_errors(ValueError, OSError, StoreError):
+        check_threads(threads)  # before the model loads; the engine logs what it applies
         config = EngineConfig(
             model=model,
             dtype=dtype,
             device=device,
+            num_threads=threads,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory,
@@ -401,7 +413,7 @@ def bench_engine(
     input_max: Annotated[int, typer.Option(min=1)] = 700,
     output_min: Annotated[int, typer.Option(min=1)] = 64,
     output_max: Annotated[int, typer.Option(min=1)] = 256,
-    threads: Annotated[int | None, typer.Option(help="torch threads for both sides.")] = None,
+    threads: Annotated[int | None, BENCH_THREADS_OPTION] = None,
     seed: Annotated[int, typer.Option()] = 0,
     skip_hf: Annotated[bool, typer.Option("--skip-hf", help="Engine only.")] = False,
     skip_batch1: Annotated[bool, typer.Option("--skip-batch1", help="No batch-1 case.")] = False,
@@ -420,6 +432,7 @@ def bench_engine(
 ) -> None:
     """Engine vs HF transformers generate on a mixed workload and at batch 1, one run."""
     from engine.bench import BenchConfig, run_bench
+    from engine.cpu_threads import check_threads
 
     config = BenchConfig(
         model=model,
@@ -438,6 +451,7 @@ def bench_engine(
         kv_cache_dtype=kv_cache_dtype,
     )
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        check_threads(threads)
         run_bench(config, echo=typer.echo)
 
 
@@ -453,11 +467,13 @@ def bench_serve(
     repeats: Annotated[
         int, typer.Option(help="Offline / HTTP pairs; the median ratio.", min=1)
     ] = 3,
+    threads: Annotated[int | None, BENCH_THREADS_OPTION] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """The same workload over HTTP streaming and offline, one run: serving overhead."""
     import json
 
+    from engine.cpu_threads import check_threads
     from engine.server.bench import ServeBenchConfig, run_bench_serve
 
     cfg = ServeBenchConfig(
@@ -467,8 +483,10 @@ def bench_serve(
         input_range=(input_min, input_max),
         output_range=(output_min, output_max),
         repeats=repeats,
+        threads=threads,
     )
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        check_threads(threads)
         report = run_bench_serve(cfg, echo=typer.echo)
     if json_out:
         with open(json_out, "w") as f:
@@ -505,7 +523,11 @@ def bench_llamacpp(
         list[int] | None, typer.Option(help="Concurrency levels (repeat); default 8 and 32.")
     ] = None,
     threads: Annotated[
-        int | None, typer.Option(help="Threads for each server (default: the core count).", min=1)
+        int | None,
+        typer.Option(
+            "--threads",
+            help="Threads for each server (default: the physical cores available, as `serve`).",
+        ),
     ] = None,
     quantization: Annotated[
         str | None,
@@ -519,6 +541,7 @@ def bench_llamacpp(
 ) -> None:
     """Our server against llama.cpp's llama-server: same GGUF, prompts and threads; batch 1
     and concurrent, one server at a time, ratios ours / llama.cpp."""
+    from engine.cpu_threads import check_threads
     from engine.server.llamacpp_bench import (
         LlamaCppBenchConfig,
         LlamaCppBenchError,
@@ -542,6 +565,7 @@ def bench_llamacpp(
     if concurrency:
         cfg.concurrency = concurrency
     with user_errors(ValueError):  # a bad option, model folder or papers file: exit 2
+        check_threads(threads)
         try:
             run_llamacpp_bench(cfg, echo=typer.echo)
         except LlamaCppBenchError as e:  # a server or a request failed: exit 1
@@ -559,11 +583,12 @@ def bench_structured(
     frequency_penalty: Annotated[float, typer.Option()] = 0.0,
     repetition_penalty: Annotated[float, typer.Option()] = 1.0,
     repeats: Annotated[int, typer.Option(help="Constrained / same-length pairs.", min=1)] = 1,
-    threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
+    threads: Annotated[int | None, BENCH_THREADS_OPTION] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Constrained decoding vs free on the digest's review prompts: tok/s and parse failures."""
     from digest.review_bench import StructuredBenchConfig, run_structured_bench
+    from engine.cpu_threads import check_threads
 
     cfg = StructuredBenchConfig(
         model=model,
@@ -577,6 +602,7 @@ def bench_structured(
         json_out=json_out,
     )
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        check_threads(threads)
         run_structured_bench(cfg, echo=typer.echo)
 
 
@@ -601,12 +627,13 @@ def bench_speculative(
         list[float] | None, typer.Option(help="Penalties to run; default 0 and 0.5.")
     ] = None,
     repeats: Annotated[int, typer.Option(help="Base / ngram pairs per setting.", min=1)] = 1,
-    threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
+    threads: Annotated[int | None, BENCH_THREADS_OPTION] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
     """Speculative decoding (n-gram; a draft model if given) vs none on the digest's summary
     prompts: decode tok/s."""
     from digest.spec_bench import SpecBenchConfig, run_spec_bench
+    from engine.cpu_threads import check_threads
 
     cfg = SpecBenchConfig(
         model=model,
@@ -626,6 +653,7 @@ def bench_speculative(
     if frequency_penalty:
         cfg.frequency_penalties = frequency_penalty
     with user_errors(ValueError):  # a bad model folder or range: one line, exit 2
+        check_threads(threads)
         run_spec_bench(cfg, echo=typer.echo)
 
 
@@ -649,7 +677,7 @@ def bench_accuracy(
         ),
     ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-    threads: Annotated[int | None, typer.Option(help="torch threads.")] = None,
+    threads: Annotated[int | None, BENCH_THREADS_OPTION] = None,
     llama_perplexity: Annotated[
         str | None,
         typer.Option(
@@ -665,6 +693,7 @@ def bench_accuracy(
 ) -> None:
     """Perplexity of paper abstracts and greedy agreement with float32, per weight/KV format."""
     from engine.accuracy_bench import AccuracyBenchConfig, run_accuracy_bench
+    from engine.cpu_threads import check_threads
 
     cfg = AccuracyBenchConfig(
         model=model,
@@ -682,6 +711,7 @@ def bench_accuracy(
     if formats:
         cfg.formats = formats
     with user_errors(ValueError):  # an unknown format, a bad model or papers file: exit 2
+        check_threads(threads)
         run_accuracy_bench(cfg, echo=typer.echo)
 
 

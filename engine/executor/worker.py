@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_threads import apply_threads
 from engine.distributed.identity import rank_identity
 from engine.distributed.rendezvous import (
     LOCAL_JOIN_TIMEOUT_S,
@@ -155,7 +156,7 @@ def spawned_worker(config: EngineConfig, placement, rv: Rendezvous, threads: int
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank{rv.rank} %(levelname)s %(message)s"
     )
-    torch.set_num_threads(threads)
+    apply_threads(threads)  # its share of rank 0's count (MultiprocExecutor)
     try:
         run_worker(config, placement, rv, LOCAL_JOIN_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - the exit code tells rank 0; the log says why

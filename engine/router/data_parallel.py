@@ -4,7 +4,8 @@ Engine i is `nightshift serve` with the same options, on 127.0.0.1:(port + 1 + i
 listens on --host:--port, the address clients already use. On a GPU machine each engine gets its
 own devices (CUDA_VISIBLE_DEVICES: engine i the i-th group of --tensor-parallel-size GPUs), and
 refuses to start when there are too few, rather than N engines fighting over one GPU's memory;
-on CPU each gets an equal share of the cores (OMP_NUM_THREADS), unless that is set already.
+on CPU each gets an equal share of the physical cores available (engine/cpu_threads.py) as
+OMP_NUM_THREADS, unless that is set already or the engines are given --threads.
 
 The engines are the router's children: they die with it (even on `kill -9`, parent_death.py),
 SIGTERM reaches them at once (they finish their requests in flight while the router relays the
@@ -23,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from engine.cpu_threads import detect_budget
 from engine.router.replica_set import ReplicaSet
 from engine.router.router_config import RouterConfig
 from engine.router.serve_router import check_router_bind, listen, router_server
@@ -178,7 +180,9 @@ def engine_children(
         raise DataParallelError(
             f"--port {port} leaves no room for {size} engines on the ports after it"
         )
-    threads = max(1, (os.cpu_count() or 1) // size)
+    # The physical cores this process may use (affinity, cgroup quota), shared out; an engine
+    # given --threads (in engine_args) takes that instead.
+    threads = max(1, detect_budget().threads // size)
     children = []
     for i in range(size):
         env = dict(os.environ)

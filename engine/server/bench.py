@@ -19,6 +19,7 @@ import httpx
 
 from engine import LLM, EngineConfig
 from engine.bench import BenchConfig, SideResult, make_workload, run_engine
+from engine.cpu_threads import configure_threads
 from engine.model_fetch import resolve_model
 from engine.server.server_process import ServerProcess, start_server_process
 
@@ -33,10 +34,13 @@ class ServeBenchConfig:
     output_range: tuple[int, int] = (64, 256)
     seed: int = 0
     repeats: int = 3
+    threads: int | None = None  # both sides; None: engine/cpu_threads.py's default
 
 
 def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) -> dict:
     model_dir = str(resolve_model(cfg.model))
+    # One count for both sides: the offline engine here, the server given it as --threads.
+    threads = configure_threads(cfg.threads).threads
     engine_kwargs = dict(
         max_num_seqs=cfg.max_batch,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -61,9 +65,9 @@ def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) 
         BenchConfig(num_prompts=2, input_range=(16, 32), output_range=(4, 4)),
         vocab_size=_vocab(model_dir),
     )
-    llm = LLM(model=model_dir, **engine_kwargs)
+    llm = LLM(model=model_dir, num_threads=cfg.threads, **engine_kwargs)
     run_engine(llm, warm)  # first-call costs (allocator, thread pools) stay out of the timing
-    server = _start_server(EngineConfig(model=model_dir, **engine_kwargs))
+    server = _start_server(EngineConfig(model=model_dir, num_threads=threads, **engine_kwargs))
     pairs: list[tuple[SideResult, SideResult]] = []
     try:
         _run_http(server, warm)
@@ -75,7 +79,7 @@ def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) 
         server.stop(grace_s=60)
     echo(
         f"{cfg.num_prompts} requests, inputs {cfg.input_range}, outputs {cfg.output_range}, "
-        f"batch {cfg.max_batch}"
+        f"batch {cfg.max_batch}, {threads} threads each side"
     )
     ratios = [h.tokens_per_s / o.tokens_per_s for o, h in pairs]
     for i, ((offline, http), ratio) in enumerate(zip(pairs, ratios), 1):
@@ -88,6 +92,7 @@ def run_bench_serve(cfg: ServeBenchConfig, echo: Callable[[str], None] = print) 
     echo(f"  HTTP / offline = {ratio:.2f}x (median of {len(ratios)} pairs)")
     return {
         "config": asdict(cfg),
+        "threads": threads,
         "pairs": [{"offline": asdict(o), "http": asdict(h)} for o, h in pairs],
         "ratios": ratios,
         "ratio": ratio,
@@ -107,6 +112,8 @@ def _start_server(config: EngineConfig) -> ServerProcess:
             str(config.max_num_batched_tokens),
             "--max-model-len",
             str(config.max_model_len),
+            "--threads",
+            str(config.num_threads),
         ]
     )
 

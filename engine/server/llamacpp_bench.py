@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.cpu_threads import choose_threads
 from engine.server import parent_death
 from engine.server.server_process import (
     ServerProcess,
@@ -326,7 +327,9 @@ def format_table(rows: Sequence[Row]) -> list[str]:
 # ---- the servers ---------------------------------------------------------------------------------
 
 
-def our_serve_args(cfg: LlamaCppBenchConfig, model_dir: Path, max_num_seqs: int) -> list[str]:
+def our_serve_args(
+    cfg: LlamaCppBenchConfig, model_dir: Path, max_num_seqs: int, threads: int | None = None
+) -> list[str]:
     args = [
         "--model",
         str(model_dir),
@@ -338,6 +341,8 @@ def our_serve_args(cfg: LlamaCppBenchConfig, model_dir: Path, max_num_seqs: int)
     ]
     if cfg.quantization is not None:  # only when asked: the option is newer than this bench
         args += ["--quantization", cfg.quantization]
+    if threads is not None:
+        args += ["--threads", str(threads)]
     return args
 
 
@@ -389,12 +394,12 @@ def _environ(**values: str) -> Iterator[None]:
 def our_server(
     cfg: LlamaCppBenchConfig, model_dir: Path, max_num_seqs: int, threads: int
 ) -> Iterator[ServerProcess]:
-    # `nightshift serve` has no thread option: torch takes its thread count from
-    # OMP_NUM_THREADS, which the child inherits.
+    # --threads for torch; OMP_NUM_THREADS too, for any other OpenMP code in the child.
     with _environ(OMP_NUM_THREADS=str(threads)):
         try:
             server = start_server_process(
-                our_serve_args(cfg, model_dir, max_num_seqs), timeout_s=cfg.start_timeout_s
+                our_serve_args(cfg, model_dir, max_num_seqs, threads),
+                timeout_s=cfg.start_timeout_s,
             )
         except ServerStartError as e:
             raise LlamaCppBenchError(f"nightshift serve: {e}") from None
@@ -497,7 +502,7 @@ class _Run:
                 f"OMP_NUM_THREADS={self.threads}",
                 "nightshift",
                 "serve",
-                *our_serve_args(self.cfg, self.model_dir, max(levels)),
+                *our_serve_args(self.cfg, self.model_dir, max(levels), self.threads),
                 "--port",
                 str(server.port),
             ]
@@ -530,12 +535,15 @@ def run_llamacpp_bench(cfg: LlamaCppBenchConfig, echo: Callable[[str], None] = p
         raise ValueError(f"GGUF {str(gguf)!r} does not exist")
     model_dir = resolve_model(cfg.model)
     prompts = tokenize_prompts(model_dir, build_prompts(cfg.papers, cfg.num_prompts))
-    threads = cfg.threads or os.cpu_count() or 1
+    # Both servers get the same count: --threads, else the physical cores available here.
+    choice = choose_threads(cfg.threads)
+    threads = choice.threads
     lengths = [len(p) for p in prompts]
     echo(
         f"{len(prompts)} prompts of {min(lengths)}-{max(lengths)} tokens, {cfg.max_tokens} "
         f"output tokens each, greedy; batch 1 on the first {min(cfg.batch1_prompts, len(prompts))}"
-        f", concurrency {', '.join(map(str, cfg.levels[1:]))}; {threads} threads each side"
+        f", concurrency {', '.join(map(str, cfg.levels[1:]))}; threads each side: "
+        f"{choice.describe()}"
     )
     with tempfile.TemporaryDirectory(prefix="nightshift-llamacpp-") as log_dir:
         run = _Run(cfg, prompts, threads, model_dir, gguf, binary, Path(log_dir), echo)
