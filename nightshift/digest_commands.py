@@ -106,6 +106,14 @@ LocalSpecOpt = Annotated[
         "faster summaries)."
     ),
 ]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--threads",
+        help="local: the local server's torch CPU threads (`serve --threads`; default: "
+        "$OMP_NUM_THREADS, else the physical cores this process may use).",
+    ),
+]
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -162,6 +170,7 @@ def _run_options(
     local_model: str = "default",
     republished: str = "mark",
     via: str = "stream",
+    threads: int | None = None,
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
@@ -206,9 +215,39 @@ def _run_options(
         site_url=site_url,
         local_model=local_model,
         republished=republished,  # type: ignore[arg-type]
-        local_server_args=LOCAL_SPECULATION if local_speculation else (),
+        local_server_args=_local_server_args(endpoint, local_speculation, threads),
         via=via,  # type: ignore[arg-type]
     )
+
+
+def _local_server_args(
+    endpoint: str, local_speculation: bool, threads: int | None
+) -> tuple[str, ...]:
+    """The local server's own options; its thread count is logged here, at start, because the
+    server itself runs quiet."""
+    from digest.endpoint import LOCAL
+    from engine.cpu_threads import check_threads, choose_threads
+
+    try:
+        check_threads(threads)
+    except ValueError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    spec = LOCAL_SPECULATION if local_speculation else ()
+    if endpoint != LOCAL:
+        if threads is not None:
+            log.warning("--threads sets the local server's threads; unused with --endpoint URL")
+        return spec
+    choice = choose_threads(threads)
+    log.info("local server torch threads: %s", choice.describe())
+    if choice.above_budget:
+        log.warning(
+            "local server threads: %d (%s) is more than the %d physical cores available: "
+            "the threads will contend for them",
+            choice.threads,
+            choice.source,
+            choice.budget.threads,
+        )
+    return (*spec, *(("--threads", str(threads)) if threads is not None else ()))
 
 
 def _check_source(source: str) -> None:
@@ -278,6 +317,7 @@ _RUN_FIELDS = (
     "local_model",
     "republished",
     "via",
+    "threads",
 )
 
 
@@ -307,6 +347,7 @@ def digest_run(
     local_model: LocalModelOpt = "default",
     republished: RepublishedOpt = "mark",
     via: ViaOpt = "stream",
+    threads: ThreadsOpt = None,
     redo: Annotated[
         list[str] | None,
         typer.Option(
@@ -432,6 +473,7 @@ def digest_schedule(
     local_model: LocalModelOpt = "default",
     republished: RepublishedOpt = "mark",
     via: ViaOpt = "stream",
+    threads: ThreadsOpt = None,
 ) -> None:
     """Run the digest every night at --at (yesterday's papers); runs until stopped."""
     from digest.schedule import (

@@ -83,6 +83,42 @@ def test_local_speculation_is_on_unless_turned_off():
     assert _run_options(DAY, **common, local_speculation=False).local_server_args == ()
 
 
+def test_threads_go_to_the_local_server_only(caplog):
+    import typer
+
+    from nightshift.digest_commands import _run_options
+
+    common = dict(
+        categories="cs.CL",
+        max_papers=None,
+        source="arxiv",
+        input_mode="abstract",
+        endpoint="local",
+        model=None,
+        api_key_env=None,
+        concurrency=1,
+        db=None,
+        out=None,
+        include_cross=False,
+        max_input_chars=1000,
+        site_url=None,
+    )
+    caplog.set_level("INFO", logger="nightshift")
+    args = _run_options(DAY, **common, threads=1).local_server_args
+    assert args == ("--speculative", "ngram", "--threads", "1")
+    assert caplog.messages[-1].startswith("local server torch threads: 1 (--threads; physical")
+    # Without --threads the server takes its own default (the same cores), said at start too.
+    assert "--threads" not in _run_options(DAY, **common).local_server_args
+    assert caplog.messages[-1].startswith("local server torch threads: ")
+    url = common | {"endpoint": "http://127.0.0.1:9/v1", "model": "m"}
+    assert "--threads" not in _run_options(DAY, **url, threads=2).local_server_args
+    assert "unused with --endpoint URL" in caplog.messages[-1]
+    for bad in (0, -1):
+        with pytest.raises(typer.Exit) as exit_info:
+            _run_options(DAY, **common, threads=bad)
+        assert exit_info.value.exit_code == 2
+
+
 def _children(pid: int) -> list[int]:
     """Live processes whose parent is `pid` (from /proc; zombies count as gone)."""
     found = []
@@ -112,6 +148,42 @@ def _port(pid: int) -> int:
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _cmdline(pid: int) -> list[str]:
+    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+
+
+def test_digest_run_threads_reaches_the_local_server(tmp_path, tiny_model):
+    """`digest run --threads 1 --endpoint local`: the server it starts has `--threads 1` on its
+    command line, and the digest says so at start."""
+    cmd = [
+        sys.executable, "-m", "nightshift.cli", "digest", "run", "--date", DAY.isoformat(),
+        "--source", str(write_papers(tmp_path / "papers.jsonl")), "--endpoint", "local",
+        "--local-model", str(tiny_model), "--db", f"sqlite:///{tmp_path / 'digest.db'}",
+        "--out", str(tmp_path / "out"), "--threads", "1",
+    ]  # fmt: skip
+    digest = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = None
+    try:
+        deadline = time.monotonic() + 120
+        while server is None and time.monotonic() < deadline:
+            assert digest.poll() is None, digest.stderr.read().decode()
+            if children := _children(digest.pid):
+                (server,) = children
+            time.sleep(0.05)
+        assert server is not None, "no local server was started"
+        args = _cmdline(server)
+        assert "serve" in args and args[args.index("--threads") + 1] == "1", args
+    finally:
+        digest.kill()  # the server dies with it (test_the_local_server_dies_with_the_digest)
+        digest.wait()
+        deadline = time.monotonic() + 10
+        while server is not None and _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert server is None or not _alive(server)
+    err = digest.stderr.read().decode()
+    assert "local server torch threads: 1 (--threads; physical cores available:" in err, err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
