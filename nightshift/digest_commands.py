@@ -39,7 +39,9 @@ DateOpt = Annotated[
     typer.Option(
         "--date",
         help="The digest's date, YYYY-MM-DD. Default: yesterday (UTC) for --source arxiv, "
-        "whose query takes that day's submissions; today (UTC) otherwise.",
+        "which then takes what arXiv announced since the last run (a watermark in the store); "
+        "today (UTC) otherwise. Given with --source arxiv: that day's submissions that no "
+        "other digest lists (a backfill).",
     ),
 ]
 CategoriesOpt = Annotated[
@@ -49,7 +51,20 @@ CategoriesOpt = Annotated[
         "only the file's papers in any of them (default: every paper in the file)."
     ),
 ]
-MaxPapersOpt = Annotated[int | None, typer.Option(help="Take at most this many papers.")]
+MaxPapersOpt = Annotated[
+    int | None,
+    typer.Option(
+        help="Take at most this many papers (arxiv nightly: the oldest new ones; the rest wait "
+        "for the next run)."
+    ),
+]
+OverlapOpt = Annotated[
+    float,
+    typer.Option(
+        help="arxiv nightly: days before the watermark that the query reaches back, for papers "
+        "arXiv announces late (held in moderation); papers already listed are not taken twice."
+    ),
+]
 SourceOpt = Annotated[str, typer.Option(help="arxiv (query API), rss (announcements), or FILE.")]
 InputOpt = Annotated[str, typer.Option("--input", help="abstract or fulltext (arXiv HTML).")]
 EndpointOpt = Annotated[
@@ -171,6 +186,8 @@ def _run_options(
     republished: str = "mark",
     via: str = "stream",
     threads: int | None = None,
+    overlap_days: float = 3.0,
+    selection: str = "day",
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
@@ -189,6 +206,9 @@ def _run_options(
         raise _fail(f"--republished must be mark or skip, not {republished!r}", EXIT_USAGE)
     if max_papers is not None and max_papers < 1:
         raise _fail("--max-papers must be at least 1", EXIT_USAGE)
+    # Not NaN or infinite; a year is far more than any hold (and than the API pages through).
+    if not 0 <= overlap_days <= 365:
+        raise _fail(f"--overlap-days must be between 0 and 365, not {overlap_days}", EXIT_USAGE)
     cats = None if categories is None else [c.strip() for c in categories.split(",") if c.strip()]
     if cats is not None and not cats:
         raise _fail("--categories names no category", EXIT_USAGE)
@@ -217,6 +237,8 @@ def _run_options(
         republished=republished,  # type: ignore[arg-type]
         local_server_args=_local_server_args(endpoint, local_speculation, threads),
         via=via,  # type: ignore[arg-type]
+        selection="new" if selection == "new" and source == "arxiv" else "day",
+        overlap=timedelta(days=overlap_days),
     )
 
 
@@ -318,6 +340,7 @@ _RUN_FIELDS = (
     "republished",
     "via",
     "threads",
+    "overlap_days",
 )
 
 
@@ -348,6 +371,7 @@ def digest_run(
     republished: RepublishedOpt = "mark",
     via: ViaOpt = "stream",
     threads: ThreadsOpt = None,
+    overlap_days: OverlapOpt = 3.0,
     redo: Annotated[
         list[str] | None,
         typer.Option(
@@ -362,7 +386,11 @@ def digest_run(
     from digest.sigterm import sigterm_unwinds
 
     # The command's run parameters are the run options (schedule shares them).
-    options = _run_options(_digest_date(date_, source), **_run_fields(locals()))
+    # Nights select what is new since the last run; an explicit date is a backfill of that day.
+    selection = "day" if date_ is not None else "new"
+    options = _run_options(
+        _digest_date(date_, source), selection=selection, **_run_fields(locals())
+    )
     options.redo = tuple(_paper_id(value) for value in redo or ())
     _start_checks(options)
     resume = f"stopped by SIGTERM; `digest run --date {options.digest_date}` resumes the run"
@@ -474,8 +502,10 @@ def digest_schedule(
     republished: RepublishedOpt = "mark",
     via: ViaOpt = "stream",
     threads: ThreadsOpt = None,
+    overlap_days: OverlapOpt = 3.0,
 ) -> None:
-    """Run the digest every night at --at (yesterday's papers); runs until stopped."""
+    """Run the digest every night at --at (what arXiv announced since the last run); runs until
+    stopped."""
     from digest.schedule import (
         ScheduleError,
         ScheduleOptions,
@@ -484,7 +514,7 @@ def digest_schedule(
         run_scheduler,
     )
 
-    options = _run_options(date.today(), **_run_fields(locals()))
+    options = _run_options(date.today(), selection="new", **_run_fields(locals()))
     # A wrong database URL or output folder fails the start (exit 2), not every night at 02:00.
     _start_checks(options)
     try:

@@ -130,10 +130,12 @@ def test_every_announced_paper_is_in_exactly_one_digest(tmp_path, db_url):
     # 27 of the 36 followed and the held one, less the last Tuesday's after the cutoff.
     assert len(expected) == 27
     store = DigestStore(open_database(db_url))
-    # The replaced paper is listed once, under the night that first announced it, and its
-    # stored metadata is the newest version seen.
+    # The replaced paper is listed once, under the night that first announced it, with the
+    # version its summary was made from (v2, announced later, is the same paper: not taken).
     first = next(day for day in store.digest_dates(None) if "2603.00001" in _ids(store, day))
     assert first == date(2026, 3, 2)
+    (replaced,) = [p for _, p in store.items(first) if p.arxiv_id == "2603.00001"]
+    assert replaced.version == 1
     assert store.watermark("arxiv:cs.CL,cs.LG") == _utc(date(2026, 3, 10), 17)
     # Thursday 23:00 EST came with Sunday's announcement, Friday 15:00 EST with Monday's.
     assert "2603.00017" in _ids(store, date(2026, 3, 8))
@@ -180,3 +182,53 @@ def test_max_papers_leaves_the_rest_for_the_next_night(tmp_path, sqlite_url, max
         key=lambda pid: next(p.submitted for p in papers if p.arxiv_id == pid),
     )
     assert sorted(listed, key=order.index) == order[: len(listed)]
+
+
+def test_the_command_line_selects_nights_by_watermark_and_dates_by_day(
+    tmp_path, sqlite_url, monkeypatch
+):
+    """`digest run` without --date is a night (watermark); with --date, a backfill of that day
+    (the calendar query); a bad --overlap-days is one line and exit 2."""
+    from typer.testing import CliRunner
+
+    from nightshift.cli import app
+    from tests.digest.sources.announcing_arxiv import Version
+
+    yesterday = datetime.now(UTC).replace(hour=1, minute=0, second=0, microsecond=0) - timedelta(
+        days=1
+    )
+    papers = [
+        FakePaper(f"2612.0000{n}", ["cs.CL"], [Version(at, at + timedelta(hours=1))])
+        for n, at in enumerate([yesterday, yesterday + timedelta(hours=3)], 1)
+    ]
+    runner = CliRunner()
+    with AnnouncingArxiv(papers) as arxiv, FaultServer() as stub:
+        arxiv.now = datetime.now(UTC)
+        monkeypatch.setenv("NIGHTSHIFT_ARXIV_API_URL", arxiv.url())
+        common = ["--categories", "cs.CL", "--db", sqlite_url, "--out", str(tmp_path / "out")]
+        common += ["--endpoint", stub.base_url, "--model", "stub-model"]
+        night = runner.invoke(app, ["digest", "run", *common])
+        assert night.exit_code == 0, night.output
+        store = DigestStore(open_database(sqlite_url))
+        assert store.watermark("arxiv:cs.CL") == papers[1].submitted
+        window = arxiv.queries[-1]["search_query"][0]
+        assert f"[{yesterday:%Y%m%d}0000 TO " in window  # the first night: from yesterday
+
+        # The same night again, and a backfill of yesterday: nothing listed twice.
+        again = runner.invoke(app, ["digest", "run", "--overlap-days", "0.5", *common])
+        assert again.exit_code == 0, again.output
+        assert (papers[1].submitted - timedelta(hours=12)).strftime("%Y%m%d%H%M") in (
+            arxiv.queries[-1]["search_query"][0]
+        )
+        day = (datetime.now(UTC) - timedelta(days=2)).date().isoformat()
+        backfill = runner.invoke(app, ["digest", "run", "--date", day, *common])
+        assert backfill.exit_code == 0, backfill.output
+        stamp = day.replace("-", "")
+        assert f"[{stamp}0000 TO {stamp}2359]" in arxiv.queries[-1]["search_query"][0]
+    assert _listings(sqlite_url) == Counter({p.arxiv_id: 1 for p in papers})
+
+    for bad in ("-1", "nan", "400"):
+        result = runner.invoke(app, ["digest", "run", "--overlap-days", bad, *common])
+        assert result.exit_code == 2 and "--overlap-days must be between 0 and 365" in (
+            result.output
+        ), result.output
