@@ -5,10 +5,20 @@ its token counts).
 
 The batch id is recorded on the run as soon as the batch exists. A run that starts after a run
 of the same date died (or failed) polls that batch instead of submitting the night again, keeps
-its successful replies, and submits only what is still missing, as a new batch."""
+its successful replies, and submits only what is still missing, as a new batch.
+
+A run can die after the batch exists and before its id is recorded (or a create's reply can be
+lost, and the create retried). So every batch carries metadata naming the job, the date, the run
+and its input's sha256, and its input file is named by date and hash: the next run lists the
+server's batches (paged, newest first, back to the dead runs' start) and resumes those of the
+date's dead runs, recorded or not; it reuses their uploaded input rather than uploading it
+again; and a create (or upload) retried after an error looks for what the lost attempt made
+before trying again. A resumed batch's replies are used only where its request is exactly the
+one this run would send (same custom_id, url and body: a changed model or prompt asks again)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -44,6 +54,10 @@ log = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/chat/completions"
 KINDS = ("summary", "review")  # a paper's summary is stored before its review, as streamed
+JOB = "digest"  # the metadata's nightshift_job
+DEAD = ("interrupted", "failed")  # runs whose unrecorded batches a later run looks for
+# How far before a dead run's start a listing still looks: the server's clock may differ.
+CLOCK_SLACK_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +88,28 @@ class BatchPlan:
     async def run(self, work: list[PaperInput], progress: ProgressSink | None) -> None:
         requests = {r.custom_id: r for r in self.requests(work)}
         replies: dict[str, BatchReply] = {}
+        runs = {r.id: r for r in self.store.runs_for(self.day)}
+        # A run is named by its id and start: run ids repeat across digest databases.
+        dead = {
+            str(i): _started(r) for i, r in runs.items() if i < self.run_id and r.status in DEAD
+        }
+        # Batches that finished runs consumed; the dead runs' are looked for, recorded or not.
+        consumed = {r.batch_id for r in runs.values() if r.batch_id and str(r.id) not in dead}
+        this_run = _started(runs[self.run_id])
+        # Listings look back to the earliest dead run's start (or this run's), less the slack.
+        starts = [datetime.fromisoformat(s).timestamp() for s in (this_run, *dead.values())]
+        since = min(starts) - CLOCK_SLACK_S
         async with BatchClient(self.client_config) as client:
             resumed = self.store.batch_to_resume(self.day, self.run_id)
             if resumed is not None:
                 replies |= await self._resume(client, resumed, requests)
+            consumed.add(resumed)
+            for batch_id in await self._of_dead_runs(client, dead, consumed, since):
+                if missing := {c: r for c, r in requests.items() if c not in replies}:
+                    replies |= await self._resume(client, batch_id, missing)
             pending = [r for cid, r in requests.items() if cid not in replies]
             if pending:
-                replies |= await self._submit(client, pending)
+                replies |= await self._submit(client, pending, bool(dead), since, this_run)
         if progress:
             progress.start(len(work))
         for item in work:
@@ -126,16 +155,54 @@ class BatchPlan:
             log.info("batch %s of the previous run is unknown to the server; submitting", batch_id)
             return {}
         lines = (await client.content(batch.get("input_file_id"))).splitlines()
-        asked = {line.get("custom_id") for raw in lines if (line := _json_object(raw))}
-        if not asked & requests.keys():
+        asked = {
+            line["custom_id"]
+            for raw in lines
+            if (line := _json_object(raw)) and _same_request(line, requests)
+        }
+        if not asked:
             return {}
         log.info("resuming batch %s of the previous run (%s)", batch_id, batch.get("status"))
         self.store.set_run_batch(self.run_id, batch_id)
         replies = await self._collect(client, await client.wait(batch_id))
-        return {cid: r for cid, r in replies.items() if cid in requests and _succeeded(r.line)}
+        return {cid: r for cid, r in replies.items() if cid in asked and _succeeded(r.line)}
+
+    async def _of_dead_runs(
+        self, client: BatchClient, dead: dict[str, str], skip: set[str | None], since: float
+    ) -> list[str]:
+        """Batches that the date's dead runs created, newest first, found by their metadata:
+        one a run never recorded (killed between the create and the record), or one recorded
+        on a run before the previous (which batch_to_resume does not look at). None to look
+        for when no run died."""
+        if not dead:
+            return []
+        day = self.day.isoformat()
+
+        def theirs(batch: dict) -> bool:
+            meta = batch.get("metadata") or {}
+            return (
+                isinstance(meta, dict)
+                and meta.get("nightshift_job", JOB) == JOB
+                and meta.get("nightshift_digest_date") == day
+                and meta.get("nightshift_run") in dead
+                and meta.get("nightshift_run_started") == dead[meta["nightshift_run"]]
+                and isinstance(batch.get("id"), str)
+                and batch["id"] not in skip
+                and batch.get("status") != "failed"  # refused whole: it has no replies
+            )
+
+        found = [b["id"] for b in await client.find("batches", theirs, since)]
+        if found:
+            log.info("batches of runs that died: %s", ", ".join(found))
+        return found
 
     async def _submit(
-        self, client: BatchClient, pending: list[BatchRequest]
+        self,
+        client: BatchClient,
+        pending: list[BatchRequest],
+        after_death: bool,
+        since: float,
+        started: str,
     ) -> dict[str, BatchReply]:
         data = b"".join(
             json.dumps(
@@ -144,11 +211,43 @@ class BatchPlan:
             + b"\n"
             for r in pending
         )
-        day = self.day.isoformat()
-        file_id = await client.upload(f"digest-{day}-run{self.run_id}.jsonl", data)
-        metadata = {"nightshift_digest_date": day, "nightshift_run": str(self.run_id)}
-        batch = await client.create(file_id, ENDPOINT, self.window, metadata)
-        # Recorded before the first poll: a run killed from here on resumes this batch.
+        day, sha = self.day.isoformat(), hashlib.sha256(data).hexdigest()
+        name = f"digest-{day}-{sha}.jsonl"
+
+        async def uploaded() -> dict | None:  # the same input, uploaded by a dead run or a lost try
+            found = await client.find(
+                "files",
+                lambda f: f.get("filename") == name and f.get("bytes") == len(data),
+                since,
+                {"purpose": "batch"},
+            )
+            return found[0] if found else None
+
+        earlier = await uploaded() if after_death else None
+        if earlier is not None:
+            log.info("reusing input file %s, uploaded by a run that died", earlier["id"])
+            file_id = earlier["id"]
+        else:
+            file_id = await client.upload(name, data, recheck=uploaded)
+        metadata = {
+            "nightshift_job": JOB,
+            "nightshift_digest_date": day,
+            "nightshift_run": str(self.run_id),
+            "nightshift_run_started": started,
+            "nightshift_input_sha256": sha,
+        }
+
+        async def created() -> dict | None:  # the batch of a create whose reply was lost
+            found = await client.find(
+                "batches",
+                lambda b: b.get("metadata") == metadata and b.get("input_file_id") == file_id,
+                since,
+            )
+            return found[0] if found else None
+
+        batch = await client.create(file_id, ENDPOINT, self.window, metadata, recheck=created)
+        # Recorded before the first poll: a run killed from here on resumes this batch (and one
+        # killed before it is found by its metadata: _of_dead_runs).
         self.store.set_run_batch(self.run_id, batch["id"])
         log.info("submitted batch %s: %d requests", batch["id"], len(pending))
         return await self._collect(client, await client.wait(batch["id"]))
@@ -158,7 +257,7 @@ class BatchPlan:
         for file_id in (batch.get("output_file_id"), batch.get("error_file_id")):
             for raw in (await client.content(file_id)).splitlines():
                 line = _json_object(raw)
-                if line is None:
+                if line is None or not isinstance(line.get("custom_id"), str):
                     if raw.strip():
                         log.warning("batch %s: an unreadable result line skipped", batch["id"])
                     continue
@@ -206,6 +305,24 @@ class BatchPlan:
 
 def _custom_id(kind: str, item: PaperInput) -> str:
     return f"{kind}:{item.basis}:{item.paper.arxiv_id}"
+
+
+def _same_request(line: dict, requests: dict[str, BatchRequest]) -> bool:
+    """The input line asks exactly what this run would ask under its custom_id."""
+    custom_id = line.get("custom_id")
+    request = requests.get(custom_id) if isinstance(custom_id, str) else None
+    if request is None or line.get("url") != ENDPOINT:
+        return False
+    return line.get("body") == json.loads(json.dumps(request.body))
+
+
+def _utc(stamp: datetime) -> datetime:
+    """A stored time (SQLite hands it back naive; it was stored in UTC)."""
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
+
+
+def _started(run) -> str:
+    return _utc(run.started_at).isoformat()
 
 
 def _json_object(raw: bytes) -> dict | None:

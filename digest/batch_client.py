@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -15,6 +16,8 @@ import httpx
 log = logging.getLogger(__name__)
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+PAGE, MAX_PAGES = 100, 1000  # list pages (OpenAI's batches list allows 1 to 100 per page)
+Recheck = Callable[[], Awaitable[dict | None]]
 
 
 @dataclass(slots=True)
@@ -47,11 +50,14 @@ class BatchClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
 
-    async def upload(self, filename: str, data: bytes) -> str:
+    async def upload(self, filename: str, data: bytes, recheck: Recheck | None = None) -> str:
+        """The new file's id. `recheck` is asked before each retry: an upload whose reply was
+        lost may have been stored, and a file it finds is used instead of a second upload."""
         reply = await self._call(
             "POST",
             "files",
             missing_ok=True,
+            recheck=recheck,
             files={"file": (filename, data)},
             data={"purpose": "batch"},
         )
@@ -60,16 +66,63 @@ class BatchClient:
                 f"{self.config.base_url} has no Batch API (POST /files: 404); start our server "
                 "with --enable-batch-api, or run with --via stream"
             )
-        return reply.json()["id"]
+        return (reply if isinstance(reply, dict) else reply.json())["id"]
 
-    async def create(self, file_id: str, endpoint: str, window: str, metadata: dict) -> dict:
+    async def create(
+        self,
+        file_id: str,
+        endpoint: str,
+        window: str,
+        metadata: dict,
+        recheck: Recheck | None = None,
+    ) -> dict:
+        """The new batch. A create is not idempotent: before each retry `recheck` looks for
+        the batch the lost attempt may have made (by its metadata), and returns it if found."""
         body = {
             "input_file_id": file_id,
             "endpoint": endpoint,
             "completion_window": window,
             "metadata": metadata,
         }
-        return (await self._call("POST", "batches", json=body)).json()
+        reply = await self._call("POST", "batches", recheck=recheck, json=body)
+        return reply if isinstance(reply, dict) else reply.json()
+
+    async def find(
+        self,
+        kind: str,
+        match: Callable[[dict], bool],
+        since: float,
+        params: dict | None = None,
+    ) -> list[dict]:
+        """The objects of a list route ("batches", "files") that `match`, newest first, paging
+        with `after` until one older than `since` (a Unix time) or the end. A server that
+        cannot list them is logged and answers nothing found."""
+        found: list[dict] = []
+        after: str | None = None
+        for _ in range(MAX_PAGES):
+            query = {"limit": PAGE, **(params or {})} | ({"after": after} if after else {})
+            try:
+                reply = await self._call("GET", kind, missing_ok=True, params=query)
+            except BatchAPIError as e:
+                log.warning("cannot list %s to look for an earlier attempt's: %s", kind, e)
+                return found
+            page = _json(reply) if reply is not None else None
+            data = page.get("data") if isinstance(page, dict) else None
+            if not isinstance(data, list):
+                return found
+            for obj in data:
+                if not isinstance(obj, dict):
+                    continue
+                created = obj.get("created_at")
+                if isinstance(created, int | float) and created < since:
+                    return found
+                if match(obj):
+                    found.append(obj)
+            last = data[-1].get("id") if data and isinstance(data[-1], dict) else None
+            if not page.get("has_more") or not last or last == after:
+                return found
+            after = last
+        return found
 
     async def retrieve(self, batch_id: str) -> dict | None:
         """The batch, or None when the server does not know it (another server, a reset one)."""
@@ -109,8 +162,15 @@ class BatchClient:
             delay = min(delay * 2, self.config.max_poll_s)
 
     async def _call(
-        self, method: str, path: str, *, missing_ok: bool = False, **kwargs
-    ) -> httpx.Response | None:
+        self,
+        method: str,
+        path: str,
+        *,
+        missing_ok: bool = False,
+        recheck: Recheck | None = None,
+        **kwargs,
+    ) -> httpx.Response | dict | None:
+        """The reply; with `recheck`, what it finds before a retry instead (a dict)."""
         attempt = 0
         while True:
             attempt += 1
@@ -131,6 +191,16 @@ class BatchClient:
             delay = min(self.config.backoff_s * 2 ** (attempt - 1), 60.0)
             log.warning("%s %s: %s; retrying in %.1f s", method, path, problem, delay)
             await asyncio.sleep(delay)
+            if recheck is not None and (found := await recheck()) is not None:
+                log.info("%s %s: the lost attempt took effect (%s)", method, path, found.get("id"))
+                return found
+
+
+def _json(reply: httpx.Response) -> object:
+    try:
+        return reply.json()
+    except ValueError:
+        return None
 
 
 def _message(reply: httpx.Response) -> str:

@@ -6,6 +6,7 @@ PostgreSQL (NIGHTSHIFT_TEST_DATABASE_URL) for the digest's store."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,8 +15,11 @@ import time
 
 import httpx
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
+from digest import batch_calls
+from digest.batch_calls import BatchPlan
+from digest.batch_client import BatchClient
 from digest.pipeline import run_digest
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
@@ -138,6 +142,145 @@ def test_killed_digest_resumes_polling_the_same_batch(server, tmp_path, db_url):
     stored = _stored(db_url)
     assert len(stored["calls"]) == 4  # one record per request, none twice
     assert all(status == "done" for _, status, _, _ in stored["entries"])
+
+
+class _Killed(BaseException):
+    """The process dies here: nothing after this point runs, nothing is cleaned up."""
+
+
+def _as_killed(db_url: str) -> None:
+    """The run record as a kill -9 leaves it (still 'running'): the next run marks it
+    interrupted, as it would after a real crash."""
+    with open_database(db_url).begin() as conn:
+        conn.execute(update(RunRow).values(status="running", finished_at=None, error=None))
+
+
+def _new(url: str, before: set[str], kind: str = "batches") -> list[dict]:
+    data = httpx.get(f"{url}/v1/{kind}", params={"limit": 100}, timeout=10).json()["data"]
+    return [b for b in data if b["id"] not in before]
+
+
+def test_a_run_killed_before_recording_its_batch_resumes_it(server, tmp_path, db_url, monkeypatch):
+    """Killed between creating the batch and storing its id on the run record: the next run
+    finds the batch by its metadata (date, run, input hash) and polls it; nothing twice."""
+    url, _ = server
+    before = {b["id"] for b in _new(url, set())}
+    files_before = {f["id"] for f in _new(url, set(), "files")}
+
+    def die(*_):
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(DigestStore, "set_run_batch", die)
+        with pytest.raises(_Killed):
+            run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    _as_killed(db_url)
+    [orphan] = _new(url, before)
+    assert orphan["metadata"]["nightshift_digest_date"] == DAY.isoformat()
+    report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+    assert [b["id"] for b in _new(url, before)] == [orphan["id"]]  # not submitted again
+    assert len(_new(url, files_before, "files")) == 2  # its input and output, once each
+    with open_database(db_url).connect() as conn:
+        runs = conn.execute(select(RunRow.status, RunRow.batch_id).order_by(RunRow.id)).all()
+    assert [tuple(r) for r in runs] == [("interrupted", None), ("succeeded", orphan["id"])]
+    assert len(_stored(db_url)["calls"]) == 4
+
+
+def test_a_batch_recorded_two_runs_back_is_resumed(server, tmp_path, db_url, monkeypatch):
+    """Run 1 records its batch and dies while polling; run 2 dies before it reaches the batch;
+    run 3 polls run 1's batch (not only the previous run's record is looked at)."""
+    url, _ = server
+    before = {b["id"] for b in _new(url, set())}
+
+    async def die(*_, **__):
+        raise _Killed
+
+    for owner, name in ((BatchClient, "wait"), (BatchPlan, "run")):  # run 1, then run 2
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, die)
+            with pytest.raises(_Killed):
+                run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+        _as_killed(db_url)
+    [batch] = _new(url, before)
+    report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+    assert [b["id"] for b in _new(url, before)] == [batch["id"]]
+    with open_database(db_url).connect() as conn:
+        runs = conn.execute(select(RunRow.status, RunRow.batch_id).order_by(RunRow.id)).all()
+    assert [tuple(r) for r in runs] == [
+        ("interrupted", batch["id"]),
+        ("interrupted", None),
+        ("succeeded", batch["id"]),
+    ]
+
+
+def test_a_resumed_batch_answers_only_the_requests_it_asked(server, tmp_path, db_url, monkeypatch):
+    """Between the dead run and the next, the summaries' request changed (another limit, as a
+    changed model or prompt would): the old batch's reviews are used, its summaries asked again."""
+    url, _ = server
+    before = {b["id"] for b in _new(url, set())}
+
+    async def die(*_, **__):
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BatchClient, "wait", die)
+        with pytest.raises(_Killed):
+            run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    _as_killed(db_url)
+    monkeypatch.setattr(batch_calls, "SUMMARY_MAX_TOKENS", batch_calls.SUMMARY_MAX_TOKENS - 1)
+    report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+    second, first = _new(url, before)
+    assert (first["request_counts"]["total"], second["request_counts"]["total"]) == (4, 2)
+    asked = httpx.get(f"{url}/v1/files/{second['input_file_id']}/content", timeout=10).text
+    assert {json.loads(x)["custom_id"].split(":")[0] for x in asked.splitlines()} == {"summary"}
+
+
+def test_a_run_killed_between_upload_and_create_reuses_its_file(
+    server, tmp_path, db_url, monkeypatch
+):
+    url, _ = server
+    before = {b["id"] for b in _new(url, set())}
+    files_before = {f["id"] for f in _new(url, set(), "files")}
+
+    async def die(*_, **__):
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BatchClient, "create", die)
+        with pytest.raises(_Killed):
+            run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    _as_killed(db_url)
+    [upload] = _new(url, files_before, "files")
+    report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+    [batch] = _new(url, before)
+    assert batch["input_file_id"] == upload["id"]  # the upload of the killed run, once
+
+
+def test_a_lost_create_reply_is_not_retried_into_a_second_batch(
+    server, tmp_path, db_url, monkeypatch
+):
+    """POST /batches reaches the server, the reply is lost (a timeout): the retry must find
+    the batch it made rather than make another."""
+    url, _ = server
+    before = {b["id"] for b in _new(url, set())}
+    real = httpx.AsyncClient.request
+    lost = []
+
+    async def lose_first_create(self, method, path, *args, **kwargs):
+        reply = await real(self, method, path, *args, **kwargs)
+        if method == "POST" and str(path) == "batches" and not lost:
+            lost.append(reply.json()["id"])
+            raise httpx.ReadTimeout("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(httpx.AsyncClient, "request", lose_first_create)
+    report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+    assert [b["id"] for b in _new(url, before)] == lost
 
 
 def test_local_endpoint_via_batch_survives_a_kill(tmp_path, monkeypatch, sqlite_url):
