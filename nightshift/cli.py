@@ -100,14 +100,17 @@ def generate(
     quantization: Annotated[str | None, QUANTIZATION_OPTION] = None,
     quant_group_size: Annotated[int, QUANT_GROUP_OPTION] = 32,
     kv_cache_dtype: Annotated[str, KV_CACHE_DTYPE_OPTION] = "auto",
+    threads: Annotated[int | None, THREADS_OPTION] = None,
 ) -> None:
     """Generate one answer with the engine and print it (the main job until the digest lands)."""
     import time
 
     from engine import LLM, SamplingParams
+    from engine.cpu_threads import check_threads
 
-    # A bad model folder or sampling value: one line and exit 2.
+    # A bad model folder, sampling value or thread count: one line and exit 2.
     with user_errors(ValueError):
+        check_threads(threads)
         # The sampling values first: a bad one is refused before the model loads.
         params = SamplingParams(
             temperature=temperature, top_p=top_p, seed=seed, max_tokens=max_tokens
@@ -119,6 +122,7 @@ def generate(
             quantization=quantization,
             quant_group_size=quant_group_size,
             kv_cache_dtype=kv_cache_dtype,
+            num_threads=threads,
         )
         start = time.perf_counter()
         if raw:

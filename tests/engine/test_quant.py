@@ -230,3 +230,20 @@ def test_generate_and_serve_refuse_an_unknown_quantization(tiny: Path) -> None:
         result = runner.invoke(app, [*command, "--model", str(tiny), "--quantization", "int3"])
         assert result.exit_code == 2, result.output
         assert "quantization must be one of none, int8, int4, fp8" in result.output
+
+
+def test_generate_takes_threads_and_refuses_a_bad_count(tmp_path: Path) -> None:
+    from tests.engine.server.live_server import build_chat_model
+
+    chat = str(build_chat_model(tmp_path / "chat"))
+    runner = CliRunner()
+    before = torch.get_num_threads()
+    try:
+        argv = ["generate", "hi", "--model", chat, "--max-tokens", "2", "--threads", "1"]
+        ok = runner.invoke(app, argv)
+        assert ok.exit_code == 0, ok.output
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    bad = runner.invoke(app, ["generate", "hi", "--model", chat, "--threads", "0"])
+    assert bad.exit_code == 2 and "--threads must be at least 1, not 0" in bad.output
