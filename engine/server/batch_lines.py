@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 
 import httpx
@@ -18,6 +19,8 @@ from engine.server.batch_validate import BatchLine
 # Cancel and expiry end the wait.
 RETRY_STATUSES = frozenset({429, 503})
 RETRY_S, MAX_RETRY_S = 0.25, 10.0
+
+log = logging.getLogger(__name__)
 
 
 def app_client(app, api_key: str | None) -> httpx.AsyncClient:
@@ -37,9 +40,14 @@ async def run_line(
     # Never ahead of interactive traffic: a line may ask to wait longer, not to jump the queue.
     body["priority"] = max(int(body.get("priority") or 0), priority)
     delay = RETRY_S
-    while (response := await client.post(endpoint, json=body)).status_code in RETRY_STATUSES:
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, MAX_RETRY_S)
+    try:
+        while (response := await client.post(endpoint, json=body)).status_code in RETRY_STATUSES:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MAX_RETRY_S)
+    except Exception as e:  # noqa: BLE001 - a line that cannot be sent still ends in a result
+        log.exception("batch line %s (custom_id %r) could not be sent", line.line, line.custom_id)
+        message = f"the request could not be sent: {type(e).__name__}: {e}"
+        return unrun_result(line, "request_failed", message)
     try:
         answer = response.json()
     except json.JSONDecodeError:

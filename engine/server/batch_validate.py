@@ -92,13 +92,25 @@ def parse_input(data: bytes, endpoint: str, served_model: str, max_lines: int) -
     return ParsedInput(lines, errors)
 
 
+class _NotJson(ValueError):
+    pass
+
+
+def _no_constants(name: str) -> object:
+    """Python's parser reads NaN and Infinity; JSON has neither. A line holding one would pass
+    here and then fail as it is sent (a body with NaN cannot be encoded as JSON)."""
+    raise _NotJson(f"{name} is not a JSON value")
+
+
 def _parse_line(raw: bytes, number: int, endpoint: str, served_model: str) -> BatchLine | LineError:
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
     except UnicodeDecodeError as e:
         return LineError("invalid_json_line", f"the line is not UTF-8 ({e.reason})", number)
     except json.JSONDecodeError as e:
         return LineError("invalid_json_line", f"the line is not valid JSON: {e.msg}", number)
+    except _NotJson as e:
+        return LineError("invalid_json_line", f"the line is not valid JSON: {e}", number)
     except (ValueError, RecursionError) as e:  # a 5000-digit number; nesting deeper than Python
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         return LineError("invalid_json_line", f"the line cannot be read: {reason}", number)

@@ -449,3 +449,63 @@ def test_embeddings_endpoint(server):
     results = {r["custom_id"]: r["response"]["body"] for r in _lines(client, done.output_file_id)}
     direct = client.embeddings.create(model=MODEL, input="another paper")
     assert results["v1"]["data"][0]["embedding"] == pytest.approx(direct.data[0].embedding)
+
+
+def test_nan_and_infinity_are_not_json(server):
+    """Python's parser takes NaN and Infinity; JSON (and OpenAI's validation) does not. Such a
+    line once passed validation, failed as it was sent, and vanished: a batch 'completed'
+    with neither an output nor an error line for it."""
+    url, _, _ = server
+    client = _client(url)
+    lines = [
+        json.dumps(_chat_line(name, "hi")).replace('"temperature": 0', f'"temperature": {value}')
+        for name, value in (("nan", "NaN"), ("inf", "-Infinity"))
+    ]
+    lines = [line.encode() for line in lines] + [_chat_line("fine", "hi")]
+    failed = _wait(client, _submit(client, lines).id, {"failed", "completed"})
+    assert failed.status == "failed", failed.request_counts
+    assert [(e.line, e.code) for e in failed.errors.data] == [
+        (1, "invalid_json_line"),
+        (2, "invalid_json_line"),
+    ]
+    assert "NaN" in failed.errors.data[0].message
+
+
+def test_a_line_that_cannot_be_sent_ends_in_the_error_file(server, monkeypatch):
+    """Whatever stops a line from being sent, it ends as an error line, counted: a batch never
+    finishes with a request missing from both files."""
+    url, _, _ = server
+    client = _client(url)
+    real = httpx.AsyncClient.post
+
+    async def post(self, path, *args, **kwargs):
+        if "boom" in json.dumps(kwargs.get("json")):
+            raise RuntimeError("cannot send")
+        return await real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncClient, "post", post)
+    lines = [_chat_line("good", "hi"), _chat_line("bad", "boom")]
+    done = _wait(client, _submit(client, lines).id, {"failed", "completed"})
+    assert done.status == "completed"
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (2, 1, 1)
+    [bad] = _lines(client, done.error_file_id)
+    assert bad["custom_id"] == "bad" and bad["response"] is None
+    assert bad["error"]["code"] == "request_failed" and "cannot send" in bad["error"]["message"]
+
+
+def test_files_list_order(server):
+    """The openai client's files.list(order="asc"): oldest first, paged with `after`."""
+    url, _, _ = server
+    client = _client(url)
+    ids = [client.files.create(file=(f"o{i}.jsonl", b"{}\n"), purpose="batch").id for i in range(3)]
+    newest = client.files.list(order="desc", limit=3, purpose="batch").data
+    assert [f.id for f in newest] == ids[::-1]
+    everything = client.files.list(order="asc", purpose="batch").data
+    assert [f.id for f in everything][-3:] == ids
+    first = client.files.list(order="asc", limit=2, purpose="batch")
+    assert [f.id for f in first.data] == [f.id for f in everything][:2] and first.has_more
+    rest = client.files.list(order="asc", after=first.data[-1].id, purpose="batch").data
+    assert [f.id for f in rest] == [f.id for f in everything][2:]
+    with pytest.raises(openai.BadRequestError):
+        client.files.list(order="sideways")

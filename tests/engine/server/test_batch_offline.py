@@ -78,6 +78,7 @@ def test_bad_file_is_one_line_and_exit_2(model_dir, tmp_path):
         (b"\x00\xff\xfe binary", "line 1"),
         (b"[" * 100_000, "nested too deeply"),
         (b'{"custom_id": "n", "x": ' + b"9" * 5000 + b"}", "line 1"),
+        (json.dumps(_line("nan", "hi")).replace(": 0}", ": NaN}").encode(), "NaN is not"),
         (
             b'{"custom_id": "t", "method": "POST", "url": "/v1/chat/completions", "body": {"mes',
             "line 1",
