@@ -70,12 +70,15 @@ class BatchStore:
         with self._session() as s:
             return s.get(BatchFileRow, file_id)
 
-    def files(self, purpose: str | None, limit: int, after: str | None) -> list[BatchFileRow]:
-        """Newest first, as OpenAI lists them; `after` is the last id of the previous page."""
-        query = select(BatchFileRow).order_by(BatchFileRow.created_at.desc(), BatchFileRow.id)
+    def files(
+        self, purpose: str | None, limit: int, after: str | None, oldest_first: bool = False
+    ) -> list[BatchFileRow]:
+        """Newest first, as OpenAI lists them by default (its order=asc: oldest first); `after`
+        is the last id of the previous page."""
+        query = select(BatchFileRow)
         if purpose is not None:
             query = query.where(BatchFileRow.purpose == purpose)
-        return _page(self, query, limit, after, BatchFileRow)
+        return _page(self, query, limit, after, BatchFileRow, oldest_first)
 
     def file_path(self, row: BatchFileRow) -> Path:
         return self.home / row.path
@@ -133,8 +136,7 @@ class BatchStore:
             return s.get(BatchRow, batch_id)
 
     def batches(self, limit: int, after: str | None) -> list[BatchRow]:
-        query = select(BatchRow).order_by(BatchRow.created_at.desc(), BatchRow.id)
-        return _page(self, query, limit, after, BatchRow)
+        return _page(self, select(BatchRow), limit, after, BatchRow)
 
     def active_batches(self) -> list[BatchRow]:
         with self._session() as s:
@@ -161,18 +163,31 @@ class BatchStore:
         return self.home / f"{batch_id}.{kind}.jsonl"
 
 
-def _page(store: BatchStore, query, limit: int, after: str | None, row_type) -> list:
-    """A page newest first, after the row `after` (keyset: created_at, then id); one more row
-    than asked, for the caller's has_more. An unknown `after` gives an empty page."""
+def _page(
+    store: BatchStore, query, limit: int, after: str | None, row_type, oldest_first: bool = False
+) -> list:
+    """A page newest first (or oldest first), after the row `after` (keyset: created_at, then
+    id, the one order reversed); one more row than asked, for the caller's has_more. An unknown
+    `after` gives an empty page."""
+    created, ident = row_type.created_at, row_type.id
+    if oldest_first:
+        query = query.order_by(created.asc(), ident.desc())
+    else:
+        query = query.order_by(created.desc(), ident.asc())
     with store._session() as s:
         if after is not None:
             anchor = s.get(row_type, after)
             if anchor is None:
                 return []
-            query = query.where(
-                or_(
-                    row_type.created_at < anchor.created_at,
-                    and_(row_type.created_at == anchor.created_at, row_type.id > anchor.id),
+            if oldest_first:
+                beyond = or_(
+                    created > anchor.created_at,
+                    and_(created == anchor.created_at, ident < anchor.id),
                 )
-            )
+            else:
+                beyond = or_(
+                    created < anchor.created_at,
+                    and_(created == anchor.created_at, ident > anchor.id),
+                )
+            query = query.where(beyond)
         return list(s.scalars(query.limit(limit + 1)))

@@ -59,9 +59,14 @@ class OpenAIServingFiles:
         row = await asyncio.to_thread(self.store.create_file, purpose, name, data)
         return file_object(row)
 
-    async def list(self, purpose: str | None, limit: int, after: str | None) -> dict:
+    async def list(
+        self, purpose: str | None, limit: int, after: str | None, order: str = "desc"
+    ) -> dict:
         limit = _limit(limit)
-        rows = await asyncio.to_thread(self.store.files, purpose, limit, after)
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        oldest_first = order == "asc"
+        rows = await asyncio.to_thread(self.store.files, purpose, limit, after, oldest_first)
         return _page([file_object(r) for r in rows], limit)
 
     async def retrieve(self, file_id: str) -> dict:
@@ -116,8 +121,13 @@ def add_file_routes(app: FastAPI, files: OpenAIServingFiles) -> None:
         return await files.create(request)
 
     @app.get("/v1/files")
-    async def list_files(purpose: str | None = None, limit: int = 10_000, after: str | None = None):
-        return await files.list(purpose, limit, after)
+    async def list_files(
+        purpose: str | None = None,
+        limit: int = 10_000,
+        after: str | None = None,
+        order: str = "desc",
+    ):
+        return await files.list(purpose, limit, after, order)
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str) -> dict:
