@@ -154,7 +154,12 @@ class BatchPlan:
         if batch is None:
             log.info("batch %s of the previous run is unknown to the server; submitting", batch_id)
             return {}
-        lines = (await client.content(batch.get("input_file_id"))).splitlines()
+        data = await client.content(batch.get("input_file_id"))
+        if data is None:
+            # What it asked cannot be known (the input was deleted): ask again.
+            log.warning("batch %s: its input file is gone from the server; not resumed", batch_id)
+            return {}
+        lines = data.splitlines()
         asked = {
             line["custom_id"]
             for raw in lines
@@ -255,7 +260,11 @@ class BatchPlan:
     async def _collect(self, client: BatchClient, batch: dict) -> dict[str, BatchReply]:
         replies = {}
         for file_id in (batch.get("output_file_id"), batch.get("error_file_id")):
-            for raw in (await client.content(file_id)).splitlines():
+            data = await client.content(file_id)
+            if data is None:
+                log.warning("batch %s: its file %s is gone from the server", batch["id"], file_id)
+                continue  # its requests count as unanswered, and a later run asks them again
+            for raw in data.splitlines():
                 line = _json_object(raw)
                 if line is None or not isinstance(line.get("custom_id"), str):
                     if raw.strip():

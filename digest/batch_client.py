@@ -129,10 +129,12 @@ class BatchClient:
         reply = await self._call("GET", f"batches/{batch_id}", missing_ok=True)
         return None if reply is None else reply.json()
 
-    async def content(self, file_id: str | None) -> bytes:
+    async def content(self, file_id: str | None) -> bytes | None:
+        """The file's bytes (none for no file); None when the server no longer has it."""
         if not file_id:
             return b""
-        return (await self._call("GET", f"files/{file_id}/content")).content
+        reply = await self._call("GET", f"files/{file_id}/content", missing_ok=True)
+        return None if reply is None else reply.content
 
     async def wait(self, batch_id: str) -> dict:
         """Poll until the batch ends: the first look after poll_s, each next one twice as late,

@@ -238,6 +238,33 @@ def test_a_resumed_batch_answers_only_the_requests_it_asked(server, tmp_path, db
     assert {json.loads(x)["custom_id"].split(":")[0] for x in asked.splitlines()} == {"summary"}
 
 
+@pytest.mark.parametrize("gone", ["input_file_id", "output_file_id"])
+def test_a_dead_runs_batch_whose_files_are_gone_is_asked_again(
+    server, tmp_path, sqlite_url, monkeypatch, gone
+):
+    """The dead run's batch finished, then its input (or output) file was deleted on the
+    server: the next run asks again instead of failing on the 404 (every night, as each
+    failed run left the same batch to resume)."""
+    url, _ = server
+
+    async def die(*_, **__):
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BatchClient, "wait", die)
+        with pytest.raises(_Killed):
+            run_digest(_run(tmp_path, sqlite_url, url, via="batch", **BATCH_POLL))
+    _as_killed(sqlite_url)
+    batch_id = _batch_id(sqlite_url)
+    deadline = time.monotonic() + WAIT_S
+    while (batch := httpx.get(f"{url}/v1/batches/{batch_id}").json())["status"] != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert httpx.delete(f"{url}/v1/files/{batch[gone]}").json()["deleted"]
+    report = run_digest(_run(tmp_path, sqlite_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
+
+
 def test_a_run_killed_between_upload_and_create_reuses_its_file(
     server, tmp_path, db_url, monkeypatch
 ):
