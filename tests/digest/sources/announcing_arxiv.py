@@ -16,10 +16,11 @@ import re
 import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import TracebackType
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
+
+from tests.digest.sources.scripted_server import LoopbackServer, _Server
 
 EST = timedelta(hours=-5)
 CUTOFF_HOUR, ANNOUNCE_HOUR = 14, 20
@@ -83,34 +84,16 @@ _RANGE_RE = re.compile(r"submittedDate:\[(\d{12}) TO (\d{12})\]")
 _CAT_RE = re.compile(r"cat:([\w.\-]+)")
 
 
-class AnnouncingArxiv:
+class AnnouncingArxiv(LoopbackServer):
     def __init__(self, papers: list[FakePaper]) -> None:
         self.papers = papers
         self.now = datetime(1970, 1, 1, tzinfo=UTC)
         self.queries: list[dict[str, list[str]]] = []
         self.lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
-        )
-
-    def __enter__(self) -> AnnouncingArxiv:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        super().__init__(_Handler)
 
     def url(self, path: str = "/api/query") -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}{path}"
+        return super().url(path)
 
     def answer(self, query: dict[str, list[str]]) -> tuple[int, str]:
         with self.lock:
@@ -141,21 +124,21 @@ class AnnouncingArxiv:
         return 200, _feed(matches[start : start + size], len(matches), start)
 
 
-def _handler(owner: AnnouncingArxiv) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
-            status, body = owner.answer(parse_qs(urlsplit(self.path).query))
-            data = body.encode("utf-8")
-            self.send_response(status)
-            self.send_header("Content-Type", "application/atom+xml; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
 
-        def log_message(self, format: str, *args: object) -> None:
-            pass
+    def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+        owner: AnnouncingArxiv = self.server.owner  # type: ignore[assignment]
+        status, body = owner.answer(parse_qs(urlsplit(self.path).query))
+        data = body.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "application/atom+xml; charset=utf-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-    return Handler
+    def log_message(self, format: str, *args: object) -> None:
+        pass
 
 
 def _stamp(moment: datetime) -> str:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
+from typing import Self
 from urllib.parse import parse_qs, urlsplit
 
 
@@ -72,19 +73,18 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
-class ScriptedServer:
-    def __init__(self) -> None:
-        self.replies: deque[Reply] = deque()
-        self.received: list[Received] = []
-        self.lock = threading.Lock()
-        self._server = _Server(("127.0.0.1", 0), _Handler)
-        self._server.owner = self
+class LoopbackServer:
+    """An HTTP server on a free 127.0.0.1 port, in a thread, for the length of a `with`."""
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self._server = _Server(("127.0.0.1", 0), handler)
+        self._server.owner = self  # type: ignore[assignment]
         # A short poll interval: shutdown() waits for the next poll, 0.5 s by default.
         self._thread = threading.Thread(
             target=self._server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
         )
 
-    def __enter__(self) -> ScriptedServer:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -97,13 +97,21 @@ class ScriptedServer:
         self._server.shutdown()
         self._server.server_close()
 
-    def script(self, *replies: Reply) -> None:
-        with self.lock:
-            self.replies.extend(replies)
-
     def url(self, path: str = "") -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}{path}"
+
+
+class ScriptedServer(LoopbackServer):
+    def __init__(self) -> None:
+        self.replies: deque[Reply] = deque()
+        self.received: list[Received] = []
+        self.lock = threading.Lock()
+        super().__init__(_Handler)
+
+    def script(self, *replies: Reply) -> None:
+        with self.lock:
+            self.replies.extend(replies)
 
     def gaps(self) -> list[float]:
         """Seconds between the arrivals of consecutive requests."""
