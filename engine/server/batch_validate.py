@@ -6,6 +6,7 @@ bad line fails the batch with a list the caller can fix in one pass."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ValidationError
@@ -102,9 +103,17 @@ def _no_constants(name: str) -> object:
     raise _NotJson(f"{name} is not a JSON value")
 
 
+def _finite(text: str) -> float:
+    """1e999 is JSON, but Python reads it as infinity, which cannot be sent on as JSON."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJson(f"the number {text[:40]} is out of range")
+    return value
+
+
 def _parse_line(raw: bytes, number: int, endpoint: str, served_model: str) -> BatchLine | LineError:
     try:
-        obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+        obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constants, parse_float=_finite)
     except UnicodeDecodeError as e:
         return LineError("invalid_json_line", f"the line is not UTF-8 ({e.reason})", number)
     except json.JSONDecodeError as e:

@@ -452,14 +452,14 @@ def test_embeddings_endpoint(server):
 
 
 def test_nan_and_infinity_are_not_json(server):
-    """Python's parser takes NaN and Infinity; JSON (and OpenAI's validation) does not. Such a
-    line once passed validation, failed as it was sent, and vanished: a batch 'completed'
-    with neither an output nor an error line for it."""
+    """Python's parser takes NaN and Infinity (and reads 1e999 as infinity); JSON has neither,
+    and such a body cannot be sent on as JSON. Such a line once passed validation, failed as it
+    was sent, and vanished: a batch 'completed' with neither an output nor an error line."""
     url, _, _ = server
     client = _client(url)
     lines = [
         json.dumps(_chat_line(name, "hi")).replace('"temperature": 0', f'"temperature": {value}')
-        for name, value in (("nan", "NaN"), ("inf", "-Infinity"))
+        for name, value in (("nan", "NaN"), ("inf", "-Infinity"), ("big", "1e999"))
     ]
     lines = [line.encode() for line in lines] + [_chat_line("fine", "hi")]
     failed = _wait(client, _submit(client, lines).id, {"failed", "completed"})
@@ -467,8 +467,9 @@ def test_nan_and_infinity_are_not_json(server):
     assert [(e.line, e.code) for e in failed.errors.data] == [
         (1, "invalid_json_line"),
         (2, "invalid_json_line"),
+        (3, "invalid_json_line"),
     ]
-    assert "NaN" in failed.errors.data[0].message
+    assert "NaN" in failed.errors.data[0].message and "1e999" in failed.errors.data[2].message
 
 
 def test_a_line_that_cannot_be_sent_ends_in_the_error_file(server, monkeypatch):
