@@ -61,24 +61,28 @@ def test_local_endpoint_runs_our_server(tmp_path, sqlite_url, tiny_model):
     assert all(e.review_raw for e in digest.entries)
 
 
+# `digest run`'s options for a local endpoint, as `_run_options` takes them.
+_LOCAL_RUN = dict(
+    categories="cs.CL",
+    max_papers=None,
+    source="arxiv",
+    input_mode="abstract",
+    endpoint="local",
+    model=None,
+    api_key_env=None,
+    concurrency=1,
+    db=None,
+    out=None,
+    include_cross=False,
+    max_input_chars=1000,
+    site_url=None,
+)
+
+
 def test_local_speculation_is_on_unless_turned_off():
     from nightshift.digest_commands import _run_options
 
-    common = dict(
-        categories="cs.CL",
-        max_papers=None,
-        source="arxiv",
-        input_mode="abstract",
-        endpoint="local",
-        model=None,
-        api_key_env=None,
-        concurrency=1,
-        db=None,
-        out=None,
-        include_cross=False,
-        max_input_chars=1000,
-        site_url=None,
-    )
+    common = _LOCAL_RUN
     assert _run_options(DAY, **common).local_server_args == ("--speculative", "ngram")
     assert _run_options(DAY, **common, local_speculation=False).local_server_args == ()
 
@@ -88,21 +92,7 @@ def test_threads_go_to_the_local_server_only(caplog):
 
     from nightshift.digest_commands import _run_options
 
-    common = dict(
-        categories="cs.CL",
-        max_papers=None,
-        source="arxiv",
-        input_mode="abstract",
-        endpoint="local",
-        model=None,
-        api_key_env=None,
-        concurrency=1,
-        db=None,
-        out=None,
-        include_cross=False,
-        max_input_chars=1000,
-        site_url=None,
-    )
+    common = _LOCAL_RUN
     caplog.set_level("INFO", logger="nightshift")
     args = _run_options(DAY, **common, threads=1).local_server_args
     assert args == ("--speculative", "ngram", "--threads", "1")
