@@ -312,6 +312,14 @@ def _list_new_papers(
     """List under the date what arXiv announced since the last night, and move the watermark."""
     categories = options.categories or list(DEFAULT_CATEGORIES)
     key = source_key(categories)
+    # A night killed after listing its papers (kill -9, a stopped scheduler) left them under a
+    # date without a page; tonight publishes them (a later night would skip them as listed).
+    for day, count in sorted(store.take_over_unpublished_nights(options.digest_date).items()):
+        log.info(
+            "%s listed by the unfinished night of %s (never published) taken into this digest",
+            papers_count(count),
+            day.isoformat(),
+        )
     mark = store.watermark(key)
     since = window_start(mark, options.digest_date, options.overlap)
     new = fetch_arxiv_new(

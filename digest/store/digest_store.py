@@ -237,6 +237,64 @@ class DigestStore:
                 )
         return found
 
+    def take_over_unpublished_nights(self, digest_date: date) -> dict[date, int]:
+        """Move to `digest_date` the papers that an earlier night listed but never published:
+        a nightly run (selection "new") killed or stopped after listing its papers, and no run
+        of its date finished since. No later night takes those papers (another digest lists
+        them) and nothing reruns that date by itself, so without this they stay pending under
+        a date that has no page. Returns how many papers came from each date; only called
+        while holding the job lock."""
+        with self._session.begin() as s:
+            dead = s.scalars(
+                select(RunRow).where(
+                    RunRow.digest_date != digest_date,
+                    RunRow.status.in_(("interrupted", "failed")),
+                    RunRow.content_hash.is_(None),
+                )
+            ).all()
+            nights = {r.digest_date for r in dead if (r.params or {}).get("selection") == "new"}
+            if not nights:
+                return {}
+            # A date some run finished (its pages written) keeps its papers: its failures are
+            # listed there, and `digest run --date` retries them.
+            finished = set(
+                s.scalars(
+                    select(RunRow.digest_date).where(
+                        RunRow.digest_date.in_(nights), RunRow.content_hash.is_not(None)
+                    )
+                )
+            )
+            stranded = nights - finished
+            rows = s.scalars(
+                select(DigestItemRow)
+                .where(DigestItemRow.digest_date.in_(stranded))
+                .order_by(DigestItemRow.digest_date, DigestItemRow.position)
+            ).all()
+            if not rows:
+                return {}
+            here = set(
+                s.scalars(
+                    select(DigestItemRow.paper_id).where(DigestItemRow.digest_date == digest_date)
+                )
+            )
+            position = len(here)
+            moved: dict[date, int] = {}
+            for row in rows:
+                moved[row.digest_date] = moved.get(row.digest_date, 0) + 1
+                if row.paper_id in here:
+                    s.delete(row)
+                    continue
+                here.add(row.paper_id)
+                # Its results, if any, are stored per paper: the run marks it done, no calls.
+                row.digest_date, row.position, row.status, row.error = (
+                    digest_date,
+                    position,
+                    "pending",
+                    None,
+                )
+                position += 1
+            return moved
+
     # -- source watermarks ---------------------------------------------------------------------
 
     def watermark(self, source_key: str) -> datetime | None:
