@@ -74,10 +74,17 @@ class ThreadChoice:
         return f"{self.threads} ({self.source}; {self.budget.describe()})"
 
 
+# More threads than any host has cores: torch's OpenMP pool crashes the process on counts in the
+# tens of thousands (SIGSEGV, or libgomp "Out of memory allocating ... bytes"), not a warning.
+MAX_THREADS = 1024
+
+
 def check_threads(threads: int | None, option: str = "--threads") -> int | None:
-    """A thread count a user gave: None (the default) or at least 1."""
+    """A thread count a user gave: None (the default) or 1 to MAX_THREADS."""
     if threads is not None and threads < 1:
         raise ValueError(f"{option} must be at least 1, not {threads}")
+    if threads is not None and threads > MAX_THREADS:
+        raise ValueError(f"{option} must be at most {MAX_THREADS}, not {threads}")
     return threads
 
 
@@ -274,7 +281,9 @@ def _omp_num_threads(value: str | None) -> int | None:
         n = int(value.split(",")[0])
     except ValueError:
         n = 0
-    if n < 1:
-        logger.warning("OMP_NUM_THREADS=%r is not a thread count; ignored", value)
+    if not 1 <= n <= MAX_THREADS:
+        logger.warning(
+            "OMP_NUM_THREADS=%r is not a thread count (1-%d); ignored", value, MAX_THREADS
+        )
         return None
     return n
