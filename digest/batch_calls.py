@@ -91,7 +91,9 @@ class BatchPlan:
         runs = {r.id: r for r in self.store.runs_for(self.day)}
         # A run is named by its id and start: run ids repeat across digest databases.
         dead = {
-            str(i): _started(r) for i, r in runs.items() if i < self.run_id and r.status in DEAD
+            str(i): _started(r)
+            for i, r in runs.items()
+            if i < self.run_id and r.status in DEAD and (r.params or {}).get("via") == "batch"
         }
         # Batches that finished runs consumed; the dead runs' are looked for, recorded or not.
         consumed = {r.batch_id for r in runs.values() if r.batch_id and str(r.id) not in dead}
