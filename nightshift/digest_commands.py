@@ -245,20 +245,30 @@ def _run_options(
 def _local_server_args(
     endpoint: str, local_speculation: bool, threads: int | None
 ) -> tuple[str, ...]:
-    """The local server's own options; its thread count is logged here, at start, because the
-    server itself runs quiet."""
+    """The local server's own options (a bad --threads: one line, exit 2)."""
     from digest.endpoint import LOCAL
-    from engine.cpu_threads import check_threads, choose_threads
+    from engine.cpu_threads import check_threads
 
     try:
         check_threads(threads)
     except ValueError as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     spec = LOCAL_SPECULATION if local_speculation else ()
+    if endpoint != LOCAL or threads is None:
+        return spec
+    return (*spec, "--threads", str(threads))
+
+
+def _say_local_threads(endpoint: str, threads: int | None) -> None:
+    """Log the local server's thread count at start (the server itself runs quiet): after the
+    start checks, so that a setup mistake is the only line a failed start prints."""
+    from digest.endpoint import LOCAL
+    from engine.cpu_threads import choose_threads
+
     if endpoint != LOCAL:
         if threads is not None:
             log.warning("--threads sets the local server's threads; unused with --endpoint URL")
-        return spec
+        return
     choice = choose_threads(threads)
     log.info("local server torch threads: %s", choice.describe())
     if choice.above_budget:
@@ -269,7 +279,6 @@ def _local_server_args(
             choice.source,
             choice.budget.threads,
         )
-    return (*spec, *(("--threads", str(threads)) if threads is not None else ()))
 
 
 def _check_source(source: str) -> None:
@@ -314,11 +323,13 @@ def _ready_out_dir(out: Path) -> Path:
     return out
 
 
-def _start_checks(options: RunOptions) -> None:
+def _start_checks(options: RunOptions, threads: int | None) -> None:
     """What `digest run` and `digest schedule` check before any work: the database, then the
-    output folder (after the database, so that a wrong URL leaves nothing behind)."""
+    output folder (after the database, so that a wrong URL leaves nothing behind); then the
+    local server's threads are said."""
     _database(options.db_url).dispose()
     _ready_out_dir(options.out_dir)
+    _say_local_threads(options.endpoint, threads)
 
 
 _RUN_FIELDS = (
@@ -392,7 +403,7 @@ def digest_run(
         _digest_date(date_, source), selection=selection, **_run_fields(locals())
     )
     options.redo = tuple(_paper_id(value) for value in redo or ())
-    _start_checks(options)
+    _start_checks(options, threads)
     resume = f"stopped by SIGTERM; `digest run --date {options.digest_date}` resumes the run"
     with sigterm_unwinds(resume):
         report = _guarded(lambda: _run_with_progress(options))
@@ -516,7 +527,7 @@ def digest_schedule(
 
     options = _run_options(date.today(), selection="new", **_run_fields(locals()))
     # A wrong database URL or output folder fails the start (exit 2), not every night at 02:00.
-    _start_checks(options)
+    _start_checks(options, threads)
     try:
         scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
     except ScheduleError as exc:

@@ -90,18 +90,21 @@ def test_local_speculation_is_on_unless_turned_off():
 def test_threads_go_to_the_local_server_only(caplog):
     import typer
 
-    from nightshift.digest_commands import _run_options
+    from nightshift.digest_commands import _run_options, _say_local_threads
 
     common = _LOCAL_RUN
     caplog.set_level("INFO", logger="nightshift")
     args = _run_options(DAY, **common, threads=1).local_server_args
     assert args == ("--speculative", "ngram", "--threads", "1")
+    _say_local_threads("local", 1)
     assert caplog.messages[-1].startswith("local server torch threads: 1 (--threads; physical")
     # Without --threads the server takes its own default (the same cores), said at start too.
     assert "--threads" not in _run_options(DAY, **common).local_server_args
+    _say_local_threads("local", None)
     assert caplog.messages[-1].startswith("local server torch threads: ")
     url = common | {"endpoint": "http://127.0.0.1:9/v1", "model": "m"}
     assert "--threads" not in _run_options(DAY, **url, threads=2).local_server_args
+    _say_local_threads(url["endpoint"], 2)
     assert "unused with --endpoint URL" in caplog.messages[-1]
     for bad in (0, -1):
         with pytest.raises(typer.Exit) as exit_info:
