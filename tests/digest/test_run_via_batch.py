@@ -155,6 +155,19 @@ def _as_killed(db_url: str) -> None:
         conn.execute(update(RunRow).values(status="running", finished_at=None, error=None))
 
 
+def _dies_at(monkeypatch, owner: type, name: str, tmp_path, db_url: str, url: str) -> None:
+    """A `--via batch` run that dies (as under kill -9) when it calls owner.name."""
+
+    async def die(*_, **__):
+        raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(owner, name, die)
+        with pytest.raises(_Killed):
+            run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    _as_killed(db_url)
+
+
 def _new(url: str, before: set[str], kind: str = "batches") -> list[dict]:
     data = httpx.get(f"{url}/v1/{kind}", params={"limit": 100}, timeout=10).json()["data"]
     return [b for b in data if b["id"] not in before]
@@ -193,15 +206,8 @@ def test_a_batch_recorded_two_runs_back_is_resumed(server, tmp_path, db_url, mon
     url, _ = server
     before = {b["id"] for b in _new(url, set())}
 
-    async def die(*_, **__):
-        raise _Killed
-
     for owner, name in ((BatchClient, "wait"), (BatchPlan, "run")):  # run 1, then run 2
-        with monkeypatch.context() as patch:
-            patch.setattr(owner, name, die)
-            with pytest.raises(_Killed):
-                run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
-        _as_killed(db_url)
+        _dies_at(monkeypatch, owner, name, tmp_path, db_url, url)
     [batch] = _new(url, before)
     report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
     assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
@@ -221,14 +227,7 @@ def test_a_resumed_batch_answers_only_the_requests_it_asked(server, tmp_path, db
     url, _ = server
     before = {b["id"] for b in _new(url, set())}
 
-    async def die(*_, **__):
-        raise _Killed
-
-    with monkeypatch.context() as patch:
-        patch.setattr(BatchClient, "wait", die)
-        with pytest.raises(_Killed):
-            run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
-    _as_killed(db_url)
+    _dies_at(monkeypatch, BatchClient, "wait", tmp_path, db_url, url)
     monkeypatch.setattr(batch_calls, "SUMMARY_MAX_TOKENS", batch_calls.SUMMARY_MAX_TOKENS - 1)
     report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
     assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
@@ -247,14 +246,7 @@ def test_a_dead_runs_batch_whose_files_are_gone_is_asked_again(
     failed run left the same batch to resume)."""
     url, _ = server
 
-    async def die(*_, **__):
-        raise _Killed
-
-    with monkeypatch.context() as patch:
-        patch.setattr(BatchClient, "wait", die)
-        with pytest.raises(_Killed):
-            run_digest(_run(tmp_path, sqlite_url, url, via="batch", **BATCH_POLL))
-    _as_killed(sqlite_url)
+    _dies_at(monkeypatch, BatchClient, "wait", tmp_path, sqlite_url, url)
     batch_id = _batch_id(sqlite_url)
     deadline = time.monotonic() + WAIT_S
     while (batch := httpx.get(f"{url}/v1/batches/{batch_id}").json())["status"] != "completed":
@@ -272,14 +264,7 @@ def test_a_run_killed_between_upload_and_create_reuses_its_file(
     before = {b["id"] for b in _new(url, set())}
     files_before = {f["id"] for f in _new(url, set(), "files")}
 
-    async def die(*_, **__):
-        raise _Killed
-
-    with monkeypatch.context() as patch:
-        patch.setattr(BatchClient, "create", die)
-        with pytest.raises(_Killed):
-            run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
-    _as_killed(db_url)
+    _dies_at(monkeypatch, BatchClient, "create", tmp_path, db_url, url)
     [upload] = _new(url, files_before, "files")
     report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
     assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
