@@ -6,6 +6,7 @@ from __future__ import annotations
 from alembic import context
 
 from digest.store.schema import Base
+from digest.store.search_index import outside_schema
 from engine.server.batch_schema import BatchBase
 
 config = context.config
@@ -19,6 +20,8 @@ def run_migrations_online() -> None:
         target_metadata=target_metadata,
         # SQLite cannot ALTER most things in place; batch mode copies the table instead.
         render_as_batch=connection.dialect.name == "sqlite",
+        # The search index (migration 0005) is raw SQL, not in schema.py: not a difference.
+        include_name=outside_schema,
     )
     with context.begin_transaction():
         context.run_migrations()
