@@ -300,3 +300,17 @@ def _paper(row) -> Paper:
         categories=list(row.categories or []),
         version=row.version,
     )
+
+
+def drop_search_index(connection) -> None:
+    """Remove the index's objects whatever state they are in (tests empty a PostgreSQL database
+    with `metadata.drop_all`, which knows nothing of them); `db downgrade` does it properly."""
+    if connection.dialect.name == "postgresql":
+        connection.execute(text("DROP FUNCTION IF EXISTS nightshift_search_sync() CASCADE"))
+        connection.execute(text("DROP FUNCTION IF EXISTS nightshift_search_refresh(varchar)"))
+    else:  # dropping a table drops its triggers; the others' triggers name search_documents
+        for name in ("papers", "summaries", "reviews"):
+            for event in ("insert", "update", "delete"):
+                connection.execute(text(f"DROP TRIGGER IF EXISTS search_{name}_{event}"))
+        connection.execute(text("DROP TABLE IF EXISTS search_fts"))
+    connection.execute(text(f"DROP TABLE IF EXISTS {SEARCH_TABLE}"))

@@ -11,6 +11,7 @@ from sqlalchemy import text
 
 from digest.store.database import open_database
 from digest.store.schema import Base
+from digest.store.search_index import drop_search_index
 from engine.server.batch_schema import BatchBase
 
 PG_URL = os.environ.get("NIGHTSHIFT_TEST_DATABASE_URL")
@@ -19,6 +20,7 @@ PG_URL = os.environ.get("NIGHTSHIFT_TEST_DATABASE_URL")
 def _empty_postgres(url: str) -> None:
     engine = open_database(url)
     with engine.begin() as conn:
+        drop_search_index(conn)  # raw SQL outside schema.py (migration 0005)
         Base.metadata.drop_all(conn)
         BatchBase.metadata.drop_all(conn)
         conn.execute(text("DROP TABLE IF EXISTS alembic_version"))
