@@ -1,0 +1,121 @@
+"""Sending a stored digest to its readers: by email (SMTP, STARTTLS) and by webhook.
+
+`deliver` runs at the end of `digest run` (and `digest schedule`'s nights), after the pages are
+written, and by `digest deliver --date D`. Each target's attempt is recorded in the store with
+the digest's fingerprint: a target that already received the digest as it is now is skipped (a
+rerun does not mail twice), one that failed is tried again by the next run or `digest deliver`.
+A failure never touches the stored results or the pages; it is reported and makes the command
+exit 1. A digest with no reviewed paper (the endpoint was down all night) is not sent, as it is
+not announced in the feed."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from digest.delivery.message import email_message, slack_payload
+from digest.delivery.smtp_email import (
+    DeliveryConfigError,
+    DeliveryError,
+    SmtpSettings,
+    check_recipients,
+    send_email,
+)
+from digest.delivery.webhook import check_webhook_url, post_webhook, target_name
+from digest.entries import DailyDigest
+from digest.store.digest_store import DigestStore
+
+__all__ = [
+    "DeliveryConfig",
+    "DeliveryConfigError",
+    "DeliveryOutcome",
+    "deliver",
+    "delivery_config",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DeliveryConfig:
+    email_to: list[str] = field(default_factory=list)
+    smtp: SmtpSettings | None = None  # set when email_to is
+    webhook_url: str | None = None
+    site_url: str | None = None  # links to the page, when the pages are published
+
+
+@dataclass(slots=True)
+class DeliveryOutcome:
+    channel: str  # email | webhook
+    target: str
+    status: str  # sent | failed | skipped
+    note: str = ""
+
+    def line(self) -> str:
+        note = f": {self.note}" if self.note else ""
+        return f"delivery by {self.channel} to {self.target}: {self.status}{note}"
+
+
+def delivery_config(
+    email_to: list[str], webhook_url: str | None, site_url: str | None
+) -> DeliveryConfig | None:
+    """The checked delivery settings (None: deliver nothing); DeliveryConfigError names a bad
+    address, URL or SMTP variable, so that the command refuses at start."""
+    if not email_to and not webhook_url:
+        return None
+    recipients = check_recipients(email_to) if email_to else []
+    return DeliveryConfig(
+        email_to=recipients,
+        smtp=SmtpSettings.from_env() if recipients else None,
+        webhook_url=check_webhook_url(webhook_url) if webhook_url else None,
+        site_url=site_url,
+    )
+
+
+def deliver(
+    store: DigestStore, digest: DailyDigest, config: DeliveryConfig, again: bool = False
+) -> list[DeliveryOutcome]:
+    """Send the digest to each configured target not yet served this version of it (`again`:
+    to every target)."""
+    fingerprint = digest.fingerprint()
+    outcomes = []
+    for channel, target, send in _targets(digest, config):
+        if not digest.done:
+            outcomes.append(DeliveryOutcome(channel, target, "skipped", "no paper reviewed"))
+            continue
+        if not again and store.delivered(digest.digest_date, channel, target, fingerprint):
+            outcomes.append(DeliveryOutcome(channel, target, "skipped", "already sent"))
+            continue
+        try:
+            send()
+        except DeliveryError as exc:
+            store.record_delivery(digest.digest_date, channel, target, fingerprint, str(exc))
+            outcomes.append(DeliveryOutcome(channel, target, "failed", str(exc)))
+            continue
+        store.record_delivery(digest.digest_date, channel, target, fingerprint, None)
+        outcomes.append(DeliveryOutcome(channel, target, "sent"))
+    for outcome in outcomes:
+        (log.error if outcome.status == "failed" else log.info)("%s", outcome.line())
+    return outcomes
+
+
+def _targets(digest: DailyDigest, config: DeliveryConfig) -> list[tuple]:
+    targets = []
+    if config.email_to and config.smtp is not None:
+        smtp, recipients = config.smtp, config.email_to
+
+        def mail() -> None:
+            message = email_message(digest, smtp.sender, recipients, config.site_url)
+            send_email(smtp, message, recipients)
+
+        targets.append(("email", ", ".join(recipients), mail))
+    if config.webhook_url:
+        url = config.webhook_url
+        targets.append(
+            (
+                "webhook",
+                target_name(url),
+                lambda: post_webhook(url, slack_payload(digest, config.site_url)),
+            )
+        )
+    return targets
