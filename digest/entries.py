@@ -14,7 +14,8 @@ from typing import Literal
 from digest.paper import Paper
 from digest.review import InputBasis, ParseStatus, Review
 
-EntryStatus = Literal["done", "failed", "pending"]
+# below_cut: ranked below --max-papers by the reader's profile; listed, never summarised.
+EntryStatus = Literal["done", "failed", "pending", "below_cut"]
 
 
 @dataclass(slots=True)
@@ -28,6 +29,9 @@ class DigestEntry:
     input_basis: InputBasis = "abstract"
     error: str | None = None  # why the paper failed, when it did
     also_in: date | None = None  # the earlier digest that first published this paper
+    # With a reader profile (digest/ranking.py): the score, and why the paper is "for you".
+    rank_score: float | None = None
+    for_you: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -44,7 +48,23 @@ class DailyDigest:
 
     @property
     def failed(self) -> list[DigestEntry]:
-        return [e for e in self.entries if e.status != "done"]
+        return [e for e in self.entries if e.status not in ("done", "below_cut")]
+
+    @property
+    def for_you(self) -> list[DigestEntry]:
+        """Done papers the reader's profile picked, best first: the page opens with them."""
+        picked = [e for e in self.done if e.for_you]
+        return sorted(picked, key=lambda e: -(e.rank_score or 0.0))
+
+    @property
+    def rest(self) -> list[DigestEntry]:
+        """The other done papers (all of them without a profile), in listing order."""
+        return [e for e in self.done if not e.for_you]
+
+    @property
+    def below_cut(self) -> list[DigestEntry]:
+        """Papers ranked below --max-papers: listed with title and abstract only."""
+        return [e for e in self.entries if e.status == "below_cut"]
 
     def fingerprint(self) -> str:
         """A hash of everything the pages show except the time: equal fingerprints, equal
@@ -52,10 +72,15 @@ class DailyDigest:
         content = {
             "model": self.model,
             "prompt_version": self.prompt_version,
-            "entries": [
-                {**asdict(entry), "review": entry.review.model_dump() if entry.review else None}
-                for entry in self.entries
-            ],
+            "entries": [_fingerprinted(entry) for entry in self.entries],
         }
         text = json.dumps(content, sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _fingerprinted(entry: DigestEntry) -> dict:
+    fields = {**asdict(entry), "review": entry.review.model_dump() if entry.review else None}
+    # Unranked entries hash as before ranking existed: an upgrade must not re-announce them.
+    if entry.rank_score is None and not entry.for_you:
+        del fields["rank_score"], fields["for_you"]
+    return fields

@@ -16,6 +16,7 @@ from digest.entries import DailyDigest, DigestEntry
 from digest.paper import Paper
 from digest.review import InputBasis, Review
 from digest.store.schema import (
+    DeliveryRow,
     DigestItemRow,
     FullTextRow,
     ModelCallRow,
@@ -125,7 +126,8 @@ class DigestStore:
             run.calls, run.prompt_tokens, run.completion_tokens = calls
             run.papers_total = sum(counts.values())
             run.papers_done = counts.get("done", 0)
-            run.papers_failed = run.papers_total - run.papers_done
+            # Papers ranked below --max-papers are listed but were never meant to be done.
+            run.papers_failed = run.papers_total - run.papers_done - counts.get("below_cut", 0)
             run.status, run.error, run.finished_at = status, error, utcnow()
             run.content_hash = content_hash
             return run
@@ -180,8 +182,18 @@ class DigestStore:
                     for key, value in _paper_fields(paper).items():
                         setattr(row, key, value)
 
-    def add_items(self, digest_date: date, papers: list[Paper], input_basis: InputBasis) -> None:
-        """List the papers under the date; papers already listed keep their place and status."""
+    def add_items(
+        self,
+        digest_date: date,
+        papers: list[Paper],
+        input_basis: InputBasis,
+        ranking: dict[str, tuple[float, list[str]]] | None = None,
+        below_cut: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
+        """List the papers under the date; papers already listed keep their place and status.
+        `ranking`: each paper's score and "for you" reasons (digest/ranking.py); `below_cut`:
+        papers listed as ranked below --max-papers, which no run summarises."""
+        ranking = ranking or {}
         with self._session.begin() as s:
             existing = set(
                 s.scalars(
@@ -193,13 +205,16 @@ class DigestStore:
                 if paper.arxiv_id in existing:
                     continue
                 existing.add(paper.arxiv_id)
+                score, reasons = ranking.get(paper.arxiv_id, (None, None))
                 s.add(
                     DigestItemRow(
                         digest_date=digest_date,
                         paper_id=paper.arxiv_id,
                         position=position,
-                        status="pending",
+                        status="below_cut" if paper.arxiv_id in below_cut else "pending",
                         input_basis=input_basis,
+                        rank_score=score,
+                        for_you=reasons,
                     )
                 )
                 position += 1
@@ -286,10 +301,11 @@ class DigestStore:
                     continue
                 here.add(row.paper_id)
                 # Its results, if any, are stored per paper: the run marks it done, no calls.
+                # A paper ranked below --max-papers stays so: it was not to be summarised.
                 row.digest_date, row.position, row.status, row.error = (
                     digest_date,
                     position,
-                    "pending",
+                    "below_cut" if row.status == "below_cut" else "pending",
                     None,
                 )
                 position += 1
@@ -320,6 +336,77 @@ class DigestStore:
                 row.watermark, row.run_id, row.updated_at = value, run_id, utcnow()
                 return value
             return current
+
+    def taken_count(self, digest_date: date) -> int:
+        """Papers of the date that are (to be) summarised: all but those below the cut."""
+        with self.session() as s:
+            return s.scalar(
+                select(func.count()).where(
+                    DigestItemRow.digest_date == digest_date, DigestItemRow.status != "below_cut"
+                )
+            )
+
+    def recent_paper_texts(self, limit: int, exclude: set[str]) -> list[str]:
+        """Title and abstract of the most recently seen papers, for the ranking's classifiers
+        (negatives and word statistics), less `exclude`."""
+        with self.session() as s:
+            rows = s.execute(
+                select(PaperRow.arxiv_id, PaperRow.title, PaperRow.abstract)
+                .order_by(PaperRow.last_seen_at.desc(), PaperRow.arxiv_id)
+                .limit(limit + len(exclude))
+            ).all()
+        return [f"{title}. {abstract}" for pid, title, abstract in rows if pid not in exclude][
+            :limit
+        ]
+
+    # -- deliveries ----------------------------------------------------------------------------
+
+    def delivered(self, digest_date: date, channel: str, target: str, content_hash: str) -> bool:
+        """Whether this target already received the date's digest as it is now."""
+        with self.session() as s:
+            return (
+                s.scalar(
+                    select(func.count()).where(
+                        DeliveryRow.digest_date == digest_date,
+                        DeliveryRow.channel == channel,
+                        DeliveryRow.target == target,
+                        DeliveryRow.content_hash == content_hash,
+                        DeliveryRow.status == "sent",
+                    )
+                )
+                > 0
+            )
+
+    def record_delivery(
+        self,
+        digest_date: date,
+        channel: str,
+        target: str,
+        content_hash: str,
+        error: str | None,
+    ) -> None:
+        with self._session.begin() as s:
+            s.add(
+                DeliveryRow(
+                    digest_date=digest_date,
+                    channel=channel,
+                    target=target[:500],
+                    content_hash=content_hash,
+                    status="failed" if error else "sent",
+                    error=error,
+                    attempted_at=utcnow(),
+                )
+            )
+
+    def deliveries(self, digest_date: date) -> list[DeliveryRow]:
+        with self.session() as s:
+            return list(
+                s.scalars(
+                    select(DeliveryRow)
+                    .where(DeliveryRow.digest_date == digest_date)
+                    .order_by(DeliveryRow.id)
+                )
+            )
 
     def items(self, digest_date: date) -> list[tuple[DigestItemRow, Paper]]:
         with self.session() as s:
@@ -479,7 +566,7 @@ class DigestStore:
     def _entry(self, item: DigestItemRow, paper: Paper, key: WorkKey) -> DigestEntry:
         summary = self.summary(paper.arxiv_id, key)
         review = self.review(paper.arxiv_id, key)
-        status = item.status if item.status in ("done", "failed") else "pending"
+        status = item.status if item.status in ("done", "failed", "below_cut") else "pending"
         return DigestEntry(
             paper=paper,
             status=status,
@@ -489,6 +576,8 @@ class DigestStore:
             review_parse_status=review.parse_status if review else None,  # type: ignore[arg-type]
             input_basis=key.input_basis,
             error=item.error,
+            rank_score=item.rank_score,
+            for_you=list(item.for_you or []),
         )
 
     def _result(

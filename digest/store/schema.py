@@ -90,11 +90,16 @@ class DigestItemRow(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     digest_date: Mapped[date] = mapped_column(Date, index=True)
     paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
-    position: Mapped[int] = mapped_column(Integer)  # order in the source
-    status: Mapped[str] = mapped_column(String(16))  # pending | done | failed
+    position: Mapped[int] = mapped_column(Integer)  # order in the source (ranked: best first)
+    # pending | done | failed | below_cut (ranked below --max-papers: listed, never summarised)
+    status: Mapped[str] = mapped_column(String(16))
     input_basis: Mapped[str] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     last_run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"))
+    # With a reader profile (digest/ranking.py): the paper's score when it was listed, and why it
+    # is "for you" (None or empty: it is not). Without a profile both stay None.
+    rank_score: Mapped[float | None] = mapped_column(Float)
+    for_you: Mapped[list | None] = mapped_column(JSON)
 
 
 class FullTextRow(Base):
@@ -186,6 +191,24 @@ class SourceWatermarkRow(Base):
     watermark: Mapped[datetime] = mapped_column(UtcDateTime)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"))
     updated_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class DeliveryRow(Base):
+    """One attempt to send a date's digest to one target (digest/delivery/): a run or `digest
+    deliver` skips a target that already received the digest as it is now (same fingerprint),
+    so a rerun does not mail readers twice, and a failed target is retried."""
+
+    __tablename__ = "deliveries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    digest_date: Mapped[date] = mapped_column(Date, index=True)
+    channel: Mapped[str] = mapped_column(String(16))  # email | webhook
+    # Who: the recipients, or the webhook's host and a hash of its URL (the URL is a secret).
+    target: Mapped[str] = mapped_column(String(500))
+    content_hash: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16))  # sent | failed
+    error: Mapped[str | None] = mapped_column(Text)
+    attempted_at: Mapped[datetime] = mapped_column(UtcDateTime)
 
 
 class JobLockRow(Base):
