@@ -610,6 +610,45 @@ def bench_structured(
         run_structured_bench(cfg, echo=typer.echo)
 
 
+@bench_app.command("digest-quality")
+def bench_digest_quality(
+    papers: Annotated[
+        str | None,
+        typer.Option(help="Papers file (JSON/JSONL/Atom); default the shared cs.CL March 2026."),
+    ] = None,
+    num_papers: Annotated[int, typer.Option(help="First N papers.", min=1)] = 50,
+    endpoint: Annotated[str, typer.Option(help="'local' or an OpenAI-compatible URL.")] = "local",
+    model: Annotated[str | None, typer.Option(help="Model name at --endpoint.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(help="Env var holding the key.")] = None,
+    local_model: Annotated[str, typer.Option(help="The local server's model.")] = "default",
+    concurrency: Annotated[int, typer.Option(min=1)] = 4,
+    threads: Annotated[int | None, BENCH_THREADS_OPTION] = None,
+    work_dir: Annotated[
+        str | None, typer.Option(help="Keep the store and pages here (an empty folder).")
+    ] = None,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """The digest on real papers, then how much of its output is worth reading (issue 19)."""
+    from digest.quality_bench import QualityBenchConfig, run_quality_bench
+    from nightshift.digest_commands import LOCAL_SPECULATION
+
+    server_args = (*LOCAL_SPECULATION, *(("--threads", str(threads)) if threads else ()))
+    cfg = QualityBenchConfig(
+        papers=papers,
+        num_papers=num_papers,
+        endpoint=endpoint,
+        model=model,
+        api_key_env=api_key_env,
+        local_model=local_model,
+        local_server_args=server_args if endpoint == "local" else (),
+        concurrency=concurrency,
+        work_dir=work_dir,
+        json_out=json_out,
+    )
+    with user_errors(ValueError):  # no papers file, a bad one: one line, exit 2
+        run_quality_bench(cfg, echo=typer.echo)
+
+
 @bench_app.command("speculative")
 def bench_speculative(
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",

@@ -1,0 +1,116 @@
+"""The figures that say whether a night's digest is worth reading (issue 19), counted from what
+the store holds and the pages show: summaries that loop or stop at the token limit, review list
+items that are junk, decisions that contradict their score, and summaries with numbers or names
+that the paper does not contain. `nightshift bench digest-quality` prints them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from digest.entries import DigestEntry
+from digest.faithfulness import paper_source, unsupported
+from digest.repetition import loops
+from digest.review import Review, decision_for, is_phrase
+
+_FINISHED = (".", "!", "?", ")", '"', "'")
+
+
+@dataclass(slots=True)
+class QualityFigures:
+    papers: int = 0
+    done: int = 0
+    failed: int = 0
+    summaries: int = 0
+    summaries_at_token_limit: int = 0  # the last summary call stopped at max_tokens
+    summaries_looping: int = 0  # a repeated sentence or a repeated run of words
+    summaries_unfinished: int = 0  # not ending at a sentence's end (cut mid-sentence or word)
+    summaries_unfaithful: int = 0  # a number or name that the paper's text lacks
+    reviews: int = 0
+    reviews_unparsed: int = 0
+    decision_contradicts_score: int = 0
+    review_summaries_unfinished: int = 0
+    list_items: int = 0
+    list_items_junk: int = 0
+    # A few examples, for reading the figures rather than trusting them.
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[tuple[str, int, int]]:
+        """(figure, count, out of) for the table."""
+        return [
+            ("papers done", self.done, self.papers),
+            ("summaries at the token limit", self.summaries_at_token_limit, self.summaries),
+            ("summaries that loop", self.summaries_looping, self.summaries),
+            ("summaries unfinished", self.summaries_unfinished, self.summaries),
+            ("summaries with facts not in the paper", self.summaries_unfaithful, self.summaries),
+            ("reviews unparsed", self.reviews_unparsed, self.reviews),
+            ("decisions contradicting the score", self.decision_contradicts_score, self.reviews),
+            ("reviewer summaries unfinished", self.review_summaries_unfinished, self.reviews),
+            ("junk review list items", self.list_items_junk, self.list_items),
+        ]
+
+    def _example(self, kind: str, text: str, limit: int = 5) -> None:
+        shown = self.examples.setdefault(kind, [])
+        if len(shown) < limit:
+            shown.append(text[:300])
+
+
+def measure(
+    entries: Iterable[DigestEntry], summary_finish: dict[str, str | None], sources: dict[str, str]
+) -> QualityFigures:
+    """`summary_finish`: paper id -> finish reason of its last summary call (absent: unknown);
+    `sources`: paper id -> the text the model was given, where it was not the abstract."""
+    figures = QualityFigures()
+    for entry in entries:
+        figures.papers += 1
+        pid = entry.paper.arxiv_id
+        if entry.status == "done":
+            figures.done += 1
+        else:
+            figures.failed += 1
+        if entry.summary:
+            _summary(figures, entry, summary_finish.get(pid), sources.get(pid))
+        if entry.review is not None:
+            _review(figures, pid, entry.review)
+        elif entry.review_raw is not None:
+            figures.reviews += 1
+            figures.reviews_unparsed += 1
+    return figures
+
+
+def _summary(
+    figures: QualityFigures, entry: DigestEntry, finish: str | None, text: str | None
+) -> None:
+    pid, summary = entry.paper.arxiv_id, entry.summary or ""
+    figures.summaries += 1
+    if finish == "length":
+        figures.summaries_at_token_limit += 1
+    if loops(summary):
+        figures.summaries_looping += 1
+        figures._example("looping", f"{pid}: {summary}")
+    if not summary.rstrip().endswith(_FINISHED):
+        figures.summaries_unfinished += 1
+        figures._example("unfinished", f"{pid}: ...{summary[-80:]}")
+    missing = unsupported(summary, paper_source(entry.paper, text))
+    if missing:
+        figures.summaries_unfaithful += 1
+        figures._example("unfaithful", f"{pid}: {', '.join(missing)}")
+
+
+def _review(figures: QualityFigures, pid: str, review: Review) -> None:
+    figures.reviews += 1
+    if review.decision != decision_for(review.overall):
+        figures.decision_contradicts_score += 1
+        figures._example("contradiction", f"{pid}: {review.overall}/10 {review.decision}")
+    if not review.summary.rstrip().endswith(_FINISHED):
+        figures.review_summaries_unfinished += 1
+        figures._example("review_summary_unfinished", f"{pid}: ...{review.summary[-80:]}")
+    for items in (review.strengths, review.weaknesses, review.questions, review.limitations):
+        for item in items:
+            figures.list_items += 1
+            if not is_phrase(item):
+                figures.list_items_junk += 1
+                figures._example("junk_item", f"{pid}: {item!r}", limit=10)

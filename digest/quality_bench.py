@@ -1,0 +1,148 @@
+"""`nightshift bench digest-quality`: the digest run end to end on real papers (a fresh store, the
+digest's own prompts, calls, parsing and post-processing), then the figures of digest/quality.py
+counted over what it stored. The same command before and after a change of prompt or of
+post-processing gives the two columns of docs/PERFORMANCE.md."""
+
+from __future__ import annotations
+
+import json
+import platform
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+from digest.endpoint import LOCAL
+from digest.pipeline import RunOptions, run_digest
+from digest.prompts import PROMPT_VERSION
+from digest.quality import QualityFigures, measure
+from digest.store.database import open_database
+from digest.store.digest_store import DigestStore
+from engine.bench import cpu_name
+
+# The 500 real cs.CL papers of March 2026 (CC0) that the shared data folder holds.
+DEFAULT_PAPERS = (
+    Path(__file__).resolve().parents[1].parent
+    / "shared/data/arxiv"
+    / ("arxiv_papers_cs_2026-03.json")
+)
+BENCH_DATE = date(2026, 3, 31)  # any fixed date: the store is the bench's own
+
+
+class NoPapersFile(ValueError):
+    """No --papers given and the shared data file is not there."""
+
+
+@dataclass(slots=True)
+class QualityBenchConfig:
+    papers: str | None = None  # None: DEFAULT_PAPERS
+    num_papers: int = 50
+    endpoint: str = LOCAL
+    model: str | None = None
+    api_key_env: str | None = None
+    local_model: str = "default"
+    local_server_args: tuple[str, ...] = ()
+    concurrency: int = 4
+    work_dir: str | None = None  # keeps the store and pages; None: a temporary folder
+    json_out: str | None = None
+
+
+def papers_path(cfg: QualityBenchConfig) -> Path:
+    if cfg.papers:
+        return Path(cfg.papers)
+    if DEFAULT_PAPERS.is_file():
+        return DEFAULT_PAPERS
+    raise NoPapersFile(
+        f"no --papers given and the default {DEFAULT_PAPERS} is not there: pass a papers "
+        "file (JSON/JSONL/Atom, as `digest run --source` reads)"
+    )
+
+
+def run_quality_bench(cfg: QualityBenchConfig, echo: Callable[[str], None] = print) -> dict:
+    path = papers_path(cfg)
+    if cfg.work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="nightshift-quality-") as tmp:
+            return _run(cfg, path, Path(tmp), echo)
+    work = Path(cfg.work_dir)
+    if work.exists() and any(work.iterdir()):
+        # A store with results of this prompt version would be reused, not measured.
+        raise ValueError(f"--work-dir {work} is not empty: the bench needs a fresh store")
+    work.mkdir(parents=True, exist_ok=True)
+    return _run(cfg, path, work, echo)
+
+
+def _run(cfg: QualityBenchConfig, path: Path, work: Path, echo: Callable[[str], None]) -> dict:
+    db_url = f"sqlite:///{work / 'quality.db'}"
+    options = RunOptions(
+        digest_date=BENCH_DATE,
+        out_dir=work / "out",
+        source=str(path),
+        max_papers=cfg.num_papers,
+        endpoint=cfg.endpoint,
+        model=cfg.model,
+        api_key_env=cfg.api_key_env,
+        local_model=cfg.local_model,
+        local_server_args=cfg.local_server_args,
+        concurrency=cfg.concurrency,
+        db_url=db_url,
+    )
+    echo(f"digest of {cfg.num_papers} papers from {path} (prompt {PROMPT_VERSION})")
+    report = run_digest(options)
+    for line in report.lines():
+        echo(line)
+    figures = measure_store(DigestStore(open_database(db_url)), BENCH_DATE, report.run_id)
+    _print(figures, echo)
+    result = {
+        "config": asdict(cfg) | {"papers": str(path)},
+        "prompt_version": PROMPT_VERSION,
+        "machine": _machine(),
+        "run": {
+            "wall_s": report.wall_s,
+            "calls": report.calls,
+            "prompt_tokens": report.prompt_tokens,
+            "completion_tokens": report.completion_tokens,
+        },
+        "figures": figures.as_dict(),
+    }
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def measure_store(store: DigestStore, day: date, run_id: int | None = None) -> QualityFigures:
+    """The figures of the date's digest as stored (the calls of `run_id`, or of every run)."""
+    digest = store.load_digest(day)
+    if digest is None:
+        raise LookupError(f"the store has no digest for {day.isoformat()}")
+    finish: dict[str, str | None] = {}
+    for call in store.calls(run_id):
+        if call.kind == "summary" and call.status == "ok":
+            finish[call.paper_id] = call.finish_reason  # the last one counts (a retry)
+    sources = {}
+    for entry in digest.entries:
+        if entry.input_basis == "fulltext" and (row := store.fulltext(entry.paper)) is not None:
+            sources[entry.paper.arxiv_id] = row.text or entry.paper.abstract
+    return measure(digest.entries, finish, sources)
+
+
+def _print(figures: QualityFigures, echo: Callable[[str], None]) -> None:
+    echo(f"{'figure':<40} {'count':>6} {'of':>5} {'share':>7}")
+    for name, count, total in figures.rows():
+        share = f"{count / total:.0%}" if total else "-"
+        echo(f"{name:<40} {count:>6} {total:>5} {share:>7}")
+    for kind, shown in figures.examples.items():
+        echo(f"examples, {kind}:")
+        for text in shown:
+            echo(f"  {text}")
+
+
+def _machine() -> dict:
+    import torch
+
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "cpu": cpu_name(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
