@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import date, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +21,8 @@ from digest.batch_calls import BatchPlan
 from digest.batch_client import BatchClientConfig
 from digest.chat_client import ChatCallError, ChatClient, ChatClientConfig, ChatResult
 from digest.clean_text import clean_paper
+from digest.delivery import DeliveryConfig, deliver
+from digest.embeddings_client import EmbeddingsConfig, embed_texts
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
 from digest.paper import Paper, papers_count
 from digest.paper_results import (
@@ -33,6 +36,7 @@ from digest.paper_results import (
     store_summary,
     work_key,
 )
+from digest.profile import ReaderProfile
 from digest.progress import ProgressSink
 from digest.prompts import (
     PROMPT_VERSION,
@@ -43,6 +47,7 @@ from digest.prompts import (
     review_messages,
     summary_messages,
 )
+from digest.ranking import rank_papers
 from digest.render import write_listings, write_outputs, write_pages
 from digest.review import InputBasis
 from digest.review_parse import review_response_format
@@ -62,10 +67,12 @@ from digest.store import migrate
 from digest.store.database import open_database
 from digest.store.digest_store import CallRecord, DigestStore
 from digest.store.job_lock import JobLock
+from digest.store.schema import DigestItemRow
 
 log = logging.getLogger(__name__)
 
 RECENT_DIGESTS = 14  # how many dates the feed and index carry
+RANKING_BACKGROUND = 2000  # recent stored papers the ranking's classifiers learn against
 Republished = Literal["mark", "skip"]
 
 
@@ -112,6 +119,12 @@ class RunOptions:
     batch_window: str = "24h"
     batch_poll_s: float = 10.0  # the first wait between polls; it doubles up to the next
     batch_max_poll_s: float = 300.0
+    # A reader profile ranks the papers (digest/ranking.py): "for you" first, model calls to the
+    # best first, and --max-papers takes the top of the ranking; the rest are listed below the
+    # cut (status below_cut), never summarised, so that no paper waits or is lost.
+    profile: ReaderProfile | None = None
+    embeddings: EmbeddingsConfig | None = None  # adds embedding similarity to the ranking
+    delivery: DeliveryConfig | None = None  # email / webhook after the pages are written
 
 
 @dataclass(slots=True)
@@ -179,8 +192,8 @@ def run_digest(
         except BaseException as exc:
             store.finish_run(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
             raise
-        items = store.items(options.digest_date)
-        failed = [(i.paper_id, i.error or "not processed") for i, _ in items if i.status != "done"]
+        items = [i for i, _ in store.items(options.digest_date) if i.status != "below_cut"]
+        failed = [(i.paper_id, i.error or "not processed") for i in items if i.status != "done"]
         # All failed (the endpoint was down all night): the run failed, though the page that
         # lists the failures is still published.
         status = "partial" if failed else "succeeded"
@@ -190,6 +203,9 @@ def run_digest(
         fingerprint = digest.fingerprint() if digest else None
         run = store.finish_run(run_id, status, content_hash=fingerprint)
         outputs = render_date(store, options.digest_date, options.out_dir, options.site_url)
+        # Under the lock, so that two hosts do not both send the night; after the pages, so
+        # that a failed delivery leaves everything stored and published.
+        sent = deliver(store, digest, options.delivery) if options.delivery and digest else []
         handle.lock = None  # released on leaving the block
     cached = sum(c.cached_tokens or 0 for c in store.calls(run_id))
     return RunReport(
@@ -206,6 +222,11 @@ def run_digest(
         wall_s=time.perf_counter() - started,
         failed=failed,
         outputs=outputs,
+        papers_below_cut=sum(
+            1 for i, _ in store.items(options.digest_date) if i.status == "below_cut"
+        ),
+        deliveries=[outcome.line() for outcome in sent],
+        delivery_failed=any(outcome.status == "failed" for outcome in sent),
     )
 
 
@@ -289,7 +310,9 @@ def _params(options: RunOptions) -> dict:
         "republished",
         "via",
     )
-    return {k: v for k, v in asdict(options).items() if k in keep}
+    # Not asdict(options): that would copy the whole profile (and the SMTP password) first.
+    params = {k: getattr(options, k) for k in keep}
+    return {**params, "ranked": options.profile is not None}
 
 
 def _prepare_inputs(store: DigestStore, options: RunOptions, run_id: int) -> list[PaperInput]:
@@ -300,8 +323,11 @@ def _prepare_inputs(store: DigestStore, options: RunOptions, run_id: int) -> lis
         else:
             _list_papers(store, client, options)
         # The stored list of the date, not just this fetch: a rerun also finishes papers that an
-        # earlier run of the date listed.
-        listed = [paper for _, paper in store.items(options.digest_date)]
+        # earlier run of the date listed. Ranked papers go best first (the model calls in that
+        # order); those below the cut are not summarised.
+        items = [pair for pair in store.items(options.digest_date) if pair[0].status != "below_cut"]
+        items.sort(key=_rank_order)
+        listed = [paper for _, paper in items]
         budget = _fulltext_budget(options) if options.input_mode == "fulltext" else 0
         return [_paper_input(store, client, options, paper, budget) for paper in listed]
 
@@ -322,11 +348,12 @@ def _list_new_papers(
         )
     mark = store.watermark(key)
     since = window_start(mark, options.digest_date, options.overlap)
+    # Ranked, the night lists every new paper and the cut falls after the ranking: nothing waits.
     new = fetch_arxiv_new(
         client,
         categories,
         since,
-        options.max_papers,
+        None if options.profile else options.max_papers,
         lambda ids: store.listed_elsewhere(options.digest_date, ids),
         base_url=options.arxiv_api_url or API_URL,
     )
@@ -340,7 +367,7 @@ def _list_new_papers(
         f"; {new.waiting}+ wait for the next run (--max-papers)" if new.waiting else "",
     )
     store.upsert_papers(papers)
-    store.add_items(options.digest_date, papers, options.input_mode)
+    _add_items(store, options, papers)
     # Only now that they are listed: a run killed before this line asks again from the old
     # watermark and finds these papers listed under its date, not lost.
     if (newest := newest_submission(papers)) is not None:
@@ -359,7 +386,7 @@ def _list_papers(store: DigestStore, client: PoliteClient, options: RunOptions) 
         options.source,
         categories=options.categories,
         day=options.digest_date,
-        max_papers=options.max_papers,
+        max_papers=None if options.profile else options.max_papers,
         client=client,
         include_cross=options.include_cross,
         **kwargs,
@@ -375,7 +402,43 @@ def _list_papers(store: DigestStore, client: PoliteClient, options: RunOptions) 
     store.upsert_papers(papers)
     if options.republished == "skip":
         papers = _skip_republished(store, options.digest_date, papers)
-    store.add_items(options.digest_date, papers, options.input_mode)
+    _add_items(store, options, papers)
+
+
+def _rank_order(pair: tuple[DigestItemRow, Paper]) -> tuple[int, float]:
+    """Ranked papers best first, then the unranked (a night's taken-over papers) in listing
+    order (the sort is stable)."""
+    score = pair[0].rank_score
+    return (0, -score) if score is not None else (1, 0.0)
+
+
+def _add_items(store: DigestStore, options: RunOptions, papers: list[Paper]) -> None:
+    """List the papers under the date: as they came, or with a profile ranked best first, the
+    top up to --max-papers to be summarised and the rest below the cut."""
+    if options.profile is None:
+        store.add_items(options.digest_date, papers, options.input_mode)
+        return
+    listed = {paper.arxiv_id for _, paper in store.items(options.digest_date)}
+    papers = [p for p in papers if p.arxiv_id not in listed]
+    ids = {p.arxiv_id for p in papers}
+    embed = partial(embed_texts, options.embeddings) if options.embeddings else None
+    background = store.recent_paper_texts(RANKING_BACKGROUND, ids)
+    ranked = rank_papers(papers, options.profile, background, embed)
+    room = None
+    if options.max_papers is not None:
+        room = max(0, options.max_papers - store.taken_count(options.digest_date))
+    below = {r.paper.arxiv_id for r in ranked[room:]} if room is not None else set()
+    mine = sum(1 for r in ranked if r.for_you)
+    log.info(
+        "ranked %s by the reader profile: %d for you%s",
+        papers_count(len(ranked)),
+        mine,
+        f"; {len(below)} below --max-papers (listed, not summarised)" if below else "",
+    )
+    ranking = {r.paper.arxiv_id: (r.score, r.reasons) for r in ranked}
+    store.add_items(
+        options.digest_date, [r.paper for r in ranked], options.input_mode, ranking, below
+    )
 
 
 def _skip_republished(store: DigestStore, day: date, papers: list[Paper]) -> list[Paper]:

@@ -27,11 +27,16 @@ class RunReport:
     wall_s: float
     failed: list[tuple[str, str]] = field(default_factory=list)  # (paper id, error)
     outputs: list[Path] = field(default_factory=list)
+    papers_below_cut: int = 0  # ranked below --max-papers: listed, not summarised
+    deliveries: list[str] = field(default_factory=list)  # one line per delivery target
+    delivery_failed: bool = False  # the digest is stored and published, but a send failed
 
     @property
     def exit_code(self) -> int:
         codes = {"succeeded": EXIT_OK, "partial": EXIT_PARTIAL}
-        return codes.get(self.status, EXIT_FAILED)
+        # A failed delivery is retried by the next run (systemd retries exit 1) or by
+        # `digest deliver`; the published digest is not redone.
+        return EXIT_FAILED if self.delivery_failed else codes.get(self.status, EXIT_FAILED)
 
     @property
     def completion_tokens_per_s(self) -> float:
@@ -41,7 +46,8 @@ class RunReport:
         out = [
             f"digest {self.digest_date.isoformat()} (run {self.run_id}): {self.status}",
             f"  papers: {self.papers_total} listed, {self.papers_done} done, "
-            f"{self.papers_failed} failed",
+            f"{self.papers_failed} failed"
+            + (f", {self.papers_below_cut} below --max-papers" if self.papers_below_cut else ""),
             f"  model calls this run: {self.calls}; tokens: {self.prompt_tokens} prompt "
             f"({self.cached_tokens} cached), {self.completion_tokens} completion",
             f"  wall time {self.wall_s:.1f} s, {self.completion_tokens_per_s:.1f} "
@@ -49,4 +55,10 @@ class RunReport:
         ]
         out += [f"  failed: {pid}: {error}" for pid, error in self.failed]
         out += [f"  wrote {path}" for path in self.outputs]
+        out += [f"  {line}" for line in self.deliveries]
+        if self.delivery_failed:
+            day = self.digest_date.isoformat()
+            out.append(
+                f"  the digest is stored and published; send it again: digest deliver --date {day}"
+            )
         return out

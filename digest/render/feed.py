@@ -1,4 +1,6 @@
-"""An Atom feed of the recent digests: one entry per day, linking to that day's HTML page.
+"""An Atom feed of the recent digests: one entry per day, linking to that day's HTML page, its
+summary listing each reviewed paper with the paper's summary ("for you" papers first), so that a
+feed reader shows what the papers are about, not only their titles.
 
 Entry ids must not change when a day is re-rendered, or readers show it again as new: they are the
 page's URL under `site_url` when there is one, else a tag: URI (RFC 4151) built from the date.
