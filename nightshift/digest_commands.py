@@ -19,7 +19,10 @@ from digest.run_report import EXIT_FAILED, EXIT_USAGE
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+    from digest.delivery import DeliveryConfig
+    from digest.embeddings_client import EmbeddingsConfig
     from digest.pipeline import RunOptions
+    from digest.profile import ReaderProfile
     from digest.run_report import RunReport
 
 T = TypeVar("T")
@@ -121,6 +124,40 @@ LocalSpecOpt = Annotated[
         "faster summaries)."
     ),
 ]
+ProfileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--profile",
+        envvar="NIGHTSHIFT_PROFILE",
+        help="Reader profile (`digest profile`) that ranks the papers: 'for you' first, model "
+        "calls to the best first, --max-papers takes the top. Default: "
+        "$NIGHTSHIFT_HOME/profile.json when it exists.",
+    ),
+]
+EmbeddingsOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="With a profile: an OpenAI-compatible base URL whose /embeddings adds embedding "
+        "similarity to the ranking (needs --embeddings-model)."
+    ),
+]
+EmbeddingsModelOpt = Annotated[str | None, typer.Option(help="The --embeddings-endpoint's model.")]
+EmailToOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="NIGHTSHIFT_DIGEST_EMAIL_TO",
+        help="Email the digest to these addresses (comma-separated) over SMTP with STARTTLS; "
+        "server and login from NIGHTSHIFT_SMTP_* (docs/OPERATIONS.md).",
+    ),
+]
+WebhookOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="NIGHTSHIFT_DIGEST_WEBHOOK_URL",
+        help="POST the digest as Slack-compatible JSON to this URL (a secret: prefer the "
+        "environment variable).",
+    ),
+]
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(
@@ -188,6 +225,11 @@ def _run_options(
     threads: int | None = None,
     overlap_days: float = 3.0,
     selection: str = "day",
+    profile: Path | None = None,
+    embeddings_endpoint: str | None = None,
+    embeddings_model: str | None = None,
+    email_to: str | None = None,
+    webhook_url: str | None = None,
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
@@ -239,7 +281,65 @@ def _run_options(
         via=via,  # type: ignore[arg-type]
         selection="new" if selection == "new" and source == "arxiv" else "day",
         overlap=timedelta(days=overlap_days),
+        profile=_reader_profile(profile),
+        embeddings=_embeddings(embeddings_endpoint, embeddings_model, api_key_env),
+        delivery=_delivery(email_to, webhook_url, site_url),
     )
+
+
+def _reader_profile(path: Path | None) -> ReaderProfile | None:
+    """The profile to rank by: --profile (it must exist), else the default file if present."""
+    from digest.profile import ProfileError, default_profile_path, load_profile
+
+    if path is None:
+        path = default_profile_path()
+        if not path.is_file():
+            return None
+    elif not path.is_file():
+        raise _fail(
+            f"--profile {path}: no such file (create one with `digest profile add`)", EXIT_USAGE
+        )
+    try:
+        profile = load_profile(path)
+    except ProfileError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
+    if profile.empty:
+        log.warning("reader profile %s is empty: papers are not ranked", path)
+        return None
+    return profile
+
+
+def _embeddings(url: str | None, model: str | None, key_env: str | None) -> EmbeddingsConfig | None:
+    from urllib.parse import urlsplit
+
+    from digest.embeddings_client import EmbeddingsConfig
+
+    if url is None:
+        if model is not None:
+            raise _fail("--embeddings-model needs --embeddings-endpoint", EXIT_USAGE)
+        return None
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(f"--embeddings-endpoint must be an http(s) URL, not {url!r}", EXIT_USAGE)
+    if not model:
+        raise _fail("--embeddings-endpoint needs --embeddings-model", EXIT_USAGE)
+    return EmbeddingsConfig(url, model, key_env)
+
+
+def _delivery(
+    email_to: str | None, webhook_url: str | None, site_url: str | None
+) -> DeliveryConfig | None:
+    """Checked at start: a bad address, URL or SMTP variable is one line and exit 2, not a
+    failure after the night's model calls."""
+    from digest.delivery import DeliveryConfigError, delivery_config
+
+    recipients = [a for a in (email_to or "").split(",") if a.strip()]
+    if email_to is not None and not recipients:
+        raise _fail("--email-to names no address", EXIT_USAGE)
+    try:
+        return delivery_config(recipients, webhook_url or None, site_url)
+    except DeliveryConfigError as exc:
+        raise _fail(str(exc), EXIT_USAGE) from None
 
 
 def _local_server_args(
@@ -352,6 +452,11 @@ _RUN_FIELDS = (
     "via",
     "threads",
     "overlap_days",
+    "profile",
+    "embeddings_endpoint",
+    "embeddings_model",
+    "email_to",
+    "webhook_url",
 )
 
 
@@ -383,6 +488,11 @@ def digest_run(
     via: ViaOpt = "stream",
     threads: ThreadsOpt = None,
     overlap_days: OverlapOpt = 3.0,
+    profile: ProfileOpt = None,
+    embeddings_endpoint: EmbeddingsOpt = None,
+    embeddings_model: EmbeddingsModelOpt = None,
+    email_to: EmailToOpt = None,
+    webhook_url: WebhookOpt = None,
     redo: Annotated[
         list[str] | None,
         typer.Option(
@@ -486,6 +596,46 @@ def digest_render(
         typer.echo(f"wrote {path}")
 
 
+@digest_app.command("deliver")
+def digest_deliver(
+    date_: DateOpt = None,
+    email_to: EmailToOpt = None,
+    webhook_url: WebhookOpt = None,
+    again: Annotated[
+        bool,
+        typer.Option(help="Send also to targets that already received this version."),
+    ] = False,
+    db: DbOpt = None,
+    site_url: SiteUrlOpt = None,
+) -> None:
+    """Send a stored digest (default: the newest) by email and/or webhook: a retry after a
+    failed delivery. Targets that already received it as it is now are skipped."""
+    from digest.delivery import deliver
+    from digest.store import migrate
+    from digest.store.digest_store import DigestStore
+
+    config = _delivery(email_to, webhook_url, site_url)
+    if config is None:
+        raise _fail("nothing to deliver to: give --email-to and/or --webhook-url", EXIT_USAGE)
+    engine = _database(db)
+
+    def send() -> list:
+        migrate.upgrade(engine)
+        store = DigestStore(engine)
+        day = _digest_date(date_, "render") if date_ else (store.digest_dates(1) or [None])[0]
+        digest = store.load_digest(day) if day else None
+        if digest is None:
+            what = f"no digest for {day.isoformat()}" if day else "no digest yet"
+            raise LookupError(f"the store holds {what}; run `nightshift digest run` first")
+        return deliver(store, digest, config, again=again)
+
+    outcomes = _guarded(send)
+    for outcome in outcomes:
+        typer.echo(outcome.line())
+    if any(outcome.status == "failed" for outcome in outcomes):
+        raise typer.Exit(EXIT_FAILED)
+
+
 @digest_app.command("schedule")
 def digest_schedule(
     at: Annotated[
@@ -514,6 +664,11 @@ def digest_schedule(
     via: ViaOpt = "stream",
     threads: ThreadsOpt = None,
     overlap_days: OverlapOpt = 3.0,
+    profile: ProfileOpt = None,
+    embeddings_endpoint: EmbeddingsOpt = None,
+    embeddings_model: EmbeddingsModelOpt = None,
+    email_to: EmailToOpt = None,
+    webhook_url: WebhookOpt = None,
 ) -> None:
     """Run the digest every night at --at (what arXiv announced since the last run); runs until
     stopped."""
@@ -596,3 +751,10 @@ def db_current(db: DbOpt = None) -> None:
     engine = _database(db, create=False)  # a look must not leave a new empty database behind
     current = _migrating(lambda: migrate.current_revision(engine)) or "base (empty)"
     typer.echo(f"current: {current}\nhead:    {migrate.head_revision()}")
+
+
+# `digest profile add|remove|show` (nightshift/profile_commands.py); imported last because it
+# uses this module's helpers.
+from nightshift.profile_commands import profile_app  # noqa: E402
+
+digest_app.add_typer(profile_app, name="profile")

@@ -182,6 +182,12 @@ class DigestStore:
                     for key, value in _paper_fields(paper).items():
                         setattr(row, key, value)
 
+    def papers(self, paper_ids: list[str]) -> dict[str, Paper]:
+        """The stored papers among these ids (the others are absent)."""
+        with self.session() as s:
+            rows = s.scalars(select(PaperRow).where(PaperRow.arxiv_id.in_(paper_ids))).all()
+            return {row.arxiv_id: _paper(row) for row in rows}
+
     def add_items(
         self,
         digest_date: date,
