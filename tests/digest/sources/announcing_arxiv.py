@@ -51,6 +51,7 @@ class FakePaper:
     arxiv_id: str
     categories: list[str]
     versions: list[Version] = field(default_factory=list)
+    topic: str | None = None  # words for the title and abstract (ranking tests)
 
     @classmethod
     def submit(
@@ -141,6 +142,10 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
 
+def _topic(paper: FakePaper) -> str:
+    return f": {escape(paper.topic)}" if paper.topic else ""
+
+
 def _stamp(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -152,10 +157,11 @@ def _entry(paper: FakePaper, version: int) -> str:
     return (
         "<entry>"
         f"<id>http://arxiv.org/abs/{paper.arxiv_id}v{version}</id>"
-        f"<title>Paper {escape(paper.arxiv_id)}, version {version}</title>"
+        f"<title>Paper {escape(paper.arxiv_id)}, version {version}{_topic(paper)}</title>"
         f"<updated>{_stamp(paper.versions[version - 1].submitted)}</updated>"
         f"<published>{_stamp(paper.submitted)}</published>"
-        f"<summary>We study the problem of paper {paper.arxiv_id} and report results.</summary>"
+        f"<summary>We study the problem of paper {paper.arxiv_id}{_topic(paper)} and report "
+        "results.</summary>"
         f"<author><name>Ada Lovelace</name></author>{cats}"
         f'<arxiv:primary_category term="{paper.categories[0]}"/>'
         "</entry>"
