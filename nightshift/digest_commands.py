@@ -758,3 +758,8 @@ def db_current(db: DbOpt = None) -> None:
 from nightshift.profile_commands import profile_app  # noqa: E402
 
 digest_app.add_typer(profile_app, name="profile")
+
+# `digest search` and `digest serve` (nightshift/search_commands.py), added the same way.
+from nightshift.search_commands import register as _register_search  # noqa: E402
+
+_register_search(digest_app)

@@ -1,0 +1,1 @@
+"""The digest's read-only web view (`nightshift digest serve`)."""

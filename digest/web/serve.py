@@ -1,0 +1,43 @@
+"""Running the web view: a listening socket (bound before uvicorn starts, so that port 0 picks a
+free port and the address printed is the one served), uvicorn, a stop on SIGINT/SIGTERM.
+
+The view has no login: it binds loopback unless told otherwise, and says so when it is not."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+from sqlalchemy import Engine
+
+from digest.web.app import create_app
+
+log = logging.getLogger("nightshift")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket; OSError names the address (port in use, unknown host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
+def serve(engine: Engine, sock: socket.socket) -> None:
+    """Serve the view on `sock` until SIGINT or SIGTERM (uvicorn's handlers: exit 0)."""
+    config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
