@@ -4,7 +4,8 @@ is "for you".
 As arxiv-sanity-lite does: TF-IDF over title and abstract (words and word pairs, sublinear term
 frequency, English stop words), and per tag a linear SVM trained on that tag's papers against
 every other paper at hand (tonight's and the store's recent ones), heavily regularised (C=0.01)
-and class-balanced, so that three liked papers are not outvoted by five hundred others. A paper's
+and class-balanced, so that three liked papers are not outvoted by five hundred others; its
+coordinate descent is seeded, so that a rerun ranks the same papers the same way. A paper's
 score is its best tag's decision value, plus a fixed bonus per followed author and per keyword
 (explicit wishes outrank a learned guess), plus, with an embeddings endpoint, the cosine
 similarity to its nearest tagged paper.
@@ -135,7 +136,9 @@ def _tag_scores(
             continue
         x = vstack([positives, negatives])
         y = np.r_[np.ones(positives.shape[0]), np.zeros(negatives.shape[0])]
-        classifier = svm.LinearSVC(class_weight="balanced", max_iter=10_000, tol=1e-6, C=0.01)
+        classifier = svm.LinearSVC(
+            class_weight="balanced", max_iter=10_000, tol=1e-6, C=0.01, random_state=0
+        )
         classifier.fit(x, y)
         scores[tag] = classifier.decision_function(candidates)
         outliers[tag] = _stands_out(scores[tag], classifier.decision_function(negatives))
