@@ -6,7 +6,9 @@ The view has no login: it binds loopback unless told otherwise, and says so when
 from __future__ import annotations
 
 import logging
+import signal
 import socket
+from types import FrameType
 
 import uvicorn
 from sqlalchemy import Engine
@@ -34,10 +36,21 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a stop by signal ends the process normally (exit 0), as
+    `nightshift serve` does: uvicorn re-raises the captured SIGTERM after shutting down, which a
+    supervisor reads as a crash. A second Ctrl-C still forces the exit."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+
 def serve(engine: Engine, sock: socket.socket) -> None:
-    """Serve the view on `sock` until SIGINT or SIGTERM (uvicorn's handlers: exit 0)."""
+    """Serve the view on `sock` until SIGINT or SIGTERM (exit 0)."""
     config = uvicorn.Config(create_app(engine), log_level="warning", access_log=False)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        _Server(config).run(sockets=[sock])
     finally:
         sock.close()
