@@ -42,6 +42,7 @@ from digest.progress import ProgressSink
 from digest.prompts import (
     REVIEW_FREQUENCY_PENALTY,
     REVIEW_MAX_TOKENS,
+    SUMMARY_FREQUENCY_PENALTY,
     SUMMARY_MAX_TOKENS,
     paper_block,
     review_messages,
@@ -129,6 +130,7 @@ class BatchPlan:
             block = paper_block(item.paper, item.basis, item.text, item.truncated)
             if self.store.summary(pid, key) is None:
                 body = self._body(summary_messages(block), SUMMARY_MAX_TOKENS)
+                body["frequency_penalty"] = SUMMARY_FREQUENCY_PENALTY
                 out.append(BatchRequest(_custom_id("summary", item), item, "summary", body))
             if not has_review(self.store, pid, key):
                 body = self._body(review_messages(block, item.basis), REVIEW_MAX_TOKENS)

@@ -42,13 +42,16 @@ from digest.prompts import (
     PROMPT_VERSION,
     REVIEW_FREQUENCY_PENALTY,
     REVIEW_MAX_TOKENS,
+    SUMMARY_FREQUENCY_PENALTY,
     SUMMARY_MAX_TOKENS,
+    SUMMARY_RETRY_FREQUENCY_PENALTY,
     paper_block,
     review_messages,
     summary_messages,
 )
 from digest.ranking import rank_papers
 from digest.render import write_listings, write_outputs, write_pages
+from digest.repetition import loops
 from digest.review import InputBasis
 from digest.review_parse import review_response_format
 from digest.run_report import RunReport
@@ -561,9 +564,7 @@ class _PaperCalls:
         block = paper_block(item.paper, item.basis, item.text, item.truncated)
         try:
             if self.store.summary(pid, key) is None:
-                result, call = await self._call(
-                    item, "summary", summary_messages(block), SUMMARY_MAX_TOKENS
-                )
+                result, call = await self._summary(item, block)
                 store_summary(self.store, item, key, result, call, self.run_id)
             if not _has_review(self.store, pid, key):
                 # Ask for schema-constrained JSON unless this server has said it cannot.
@@ -584,6 +585,21 @@ class _PaperCalls:
         except (ChatCallError, Unparsed) as exc:
             return set_outcome(self.store, self.day, item, self.run_id, str(exc))
         return set_outcome(self.store, self.day, item, self.run_id, None)
+
+    async def _summary(self, item: PaperInput, block: str) -> tuple[ChatResult, CallRecord]:
+        """The summary reply; one that loops is asked once more under a stronger penalty (the
+        first call is recorded: its tokens were spent)."""
+        messages = summary_messages(block)
+        result, call = await self._call(
+            item, "summary", messages, SUMMARY_MAX_TOKENS, None, SUMMARY_FREQUENCY_PENALTY
+        )
+        if not loops(result.text):
+            return result, call
+        log.info("%s: the summary repeats itself; asking once more", item.paper.arxiv_id)
+        self.store.record_call(call)
+        return await self._call(
+            item, "summary", messages, SUMMARY_MAX_TOKENS, None, SUMMARY_RETRY_FREQUENCY_PENALTY
+        )
 
     async def _call(
         self,

@@ -10,13 +10,19 @@ from __future__ import annotations
 from digest.paper import Paper
 from digest.review import InputBasis
 
-PROMPT_VERSION = "2026-11-29.2"  # .2: review schema length bounds, frequency penalty
+# .2: review schema length bounds, frequency penalty. 2026-12-05: issue 19 (the decision is no
+# longer asked, list items bounded to phrases, the summary asked shorter and with a penalty).
+PROMPT_VERSION = "2026-12-05.1"
 
 SUMMARY_MAX_TOKENS = 256
 REVIEW_MAX_TOKENS = 768
 # An OpenAI parameter: discourages the loops a small model falls into inside a constrained JSON
 # string or list (on the default model, 4 of 6 reviews validated without it, see PERFORMANCE.md).
 REVIEW_FREQUENCY_PENALTY = 0.5
+# The summary, too, loops without a penalty (9 of 23 repeated a sentence, issue 19); a summary that
+# still loops (digest/repetition.py) is asked once more under the stronger one.
+SUMMARY_FREQUENCY_PENALTY = 0.3
+SUMMARY_RETRY_FREQUENCY_PENALTY = 1.0
 
 SYSTEM = (
     "You are a careful, fair reviewer writing a nightly digest of new research papers for busy "
@@ -25,19 +31,21 @@ SYSTEM = (
 )
 
 SUMMARY_TASK = (
-    "Task: summarize the paper above in 3 to 5 plain sentences for a technical reader outside the "
-    "field: the problem, the approach, the main result, and why it matters. Plain prose only: no "
+    "Task: summarize the paper above in 3 or 4 short plain sentences (at most 90 words) for a "
+    "technical reader outside the field: the problem, the approach, the main result, and why it "
+    "matters. Use only numbers and names that appear in the text above. Plain prose only: no "
     "lists, no headings, no preamble."
 )
 
 REVIEW_TASK = """Task: review the paper above. Reply with one JSON object and nothing else, with \
 exactly these keys:
 - "summary": one or two sentences on what the paper claims;
-- "strengths", "weaknesses", "questions", "limitations": lists of short strings;
+- "strengths", "weaknesses", "questions", "limitations": lists of 1 to 4 items, each a short \
+phrase in words (4 to 15 words), not a number;
 - "soundness", "presentation", "contribution": integers 1 (poor) to 4 (excellent), or null when \
 the text given is not enough to judge;
-- "overall": integer 1 to 10; "confidence": integer 1 to 5;
-- "decision": "Accept" or "Reject";
+- "overall": integer 1 (reject) to 10 (award quality), 6 or more meaning accept; "confidence": \
+integer 1 to 5;
 - "input_basis": "{basis}"."""
 
 

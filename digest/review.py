@@ -1,17 +1,46 @@
 """The structured review a model writes for a paper: the schema (pydantic, validated) that is both
-sent as `response_format` and used to check the reply."""
+sent as `response_format` and used to check the reply.
+
+What the model writes is checked on our side too, whatever the server enforced (a cloud API may
+ignore the bounds, a reply may come through the repair path): list items that are not phrases
+are dropped, a summary cut by a length bound ends at a sentence or a whole word, and the
+decision is derived from the overall score rather than asked (issue 19)."""
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from digest.clean_text import xml_safe
+from digest.summary_text import finish_text
 
 InputBasis = Literal["abstract", "fulltext"]
 ParseStatus = Literal["ok", "repaired", "failed"]
+
+# The decision follows the score (NeurIPS: 6 is "weak accept"); asking the model for both let
+# the default model write "Accept" under a 3/10 (17 of 23 reviews, issue 19).
+ACCEPT_MIN_OVERALL = 6
+
+# A list item is a phrase: at least two words of letters, and mostly letters. "1.00", "4.], ,"
+# and "N/A" are not (64% of the default model's items were such junk, issue 19).
+ITEM_MIN_WORDS = 2
+LIST_MAX_ITEMS = 4
+_LETTER_WORD = re.compile(r"[^\W\d_]{2,}")
+_LIST_FIELDS = ("strengths", "weaknesses", "questions", "limitations")
+
+
+def decision_for(overall: int) -> Literal["Accept", "Reject"]:
+    return "Accept" if overall >= ACCEPT_MIN_OVERALL else "Reject"
+
+
+def is_phrase(item: str) -> bool:
+    text = item.strip()
+    if len(_LETTER_WORD.findall(text)) < ITEM_MIN_WORDS:
+        return False
+    letters = sum(c.isalpha() for c in text)
+    return letters >= 0.6 * sum(not c.isspace() for c in text)
 
 
 class Review(BaseModel):
@@ -32,30 +61,28 @@ class Review(BaseModel):
     decision: Literal["Accept", "Reject"]
     input_basis: InputBasis
 
-    @field_validator("summary", "strengths", "weaknesses", "questions", "limitations")
+    @model_validator(mode="before")
     @classmethod
-    def _xml_safe(cls, value: str | list[str]) -> str | list[str]:
-        # A JSON escape (\u0000) in the reply brings back what the client cleaned from its text.
-        return xml_safe(value) if isinstance(value, str) else [xml_safe(v) for v in value]
+    def _decision_from_score(cls, data: Any) -> Any:
+        # Not asked of the model (the schema sent leaves it out); a stored review written when
+        # it was asked shows the decision its score implies, too.
+        if isinstance(data, dict) and type(data.get("overall")) is int:
+            data = {**data, "decision": decision_for(data["overall"])}
+        return data
 
+    @field_validator("summary")
+    @classmethod
+    def _summary(cls, value: str) -> str:
+        # A JSON escape (\u0000) in the reply brings back what the client cleaned from its text;
+        # the schema's length bound may have cut the summary anywhere.
+        return finish_text(xml_safe(value))
 
-# The decision follows the score (NeurIPS: 6 is "weak accept"); asking the model for both let
-# the default model write "Accept" under a 3/10 (17 of 23 reviews, issue 19).
-ACCEPT_MIN_OVERALL = 6
-
-# A list item is a phrase: at least two words of letters, and mostly letters. "1.00", "4.], ,"
-# and "N/A" are not (64% of the default model's items were such junk, issue 19).
-ITEM_MIN_WORDS = 2
-_LETTER_WORD = re.compile(r"[^\W\d_]{2,}")
-
-
-def decision_for(overall: int) -> Literal["Accept", "Reject"]:
-    return "Accept" if overall >= ACCEPT_MIN_OVERALL else "Reject"
-
-
-def is_phrase(item: str) -> bool:
-    text = item.strip()
-    if len(_LETTER_WORD.findall(text)) < ITEM_MIN_WORDS:
-        return False
-    letters = sum(c.isalpha() for c in text)
-    return letters >= 0.6 * sum(not c.isspace() for c in text)
+    @field_validator(*_LIST_FIELDS)
+    @classmethod
+    def _phrases(cls, value: list[str]) -> list[str]:
+        kept: list[str] = []
+        for item in value:
+            text = " ".join(xml_safe(item).split())
+            if is_phrase(text) and text.lower() not in (k.lower() for k in kept):
+                kept.append(text)
+        return kept[:LIST_MAX_ITEMS]

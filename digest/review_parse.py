@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from digest.review import InputBasis, ParseStatus, Review
+from digest.review import LIST_MAX_ITEMS, InputBasis, ParseStatus, Review
 
 _LIST_FIELDS = ("strengths", "weaknesses", "questions", "limitations")
 _SCORE_SCALES = {
@@ -41,8 +41,10 @@ class ReviewParse:
 
 
 def review_response_format() -> dict:
-    """OpenAI's `response_format` for a Review, in the strict form structured outputs require."""
+    """OpenAI's `response_format` for a Review, in the strict form structured outputs require.
+    The decision is not asked: it follows from the overall score (Review)."""
     schema = Review.model_json_schema()
+    schema["properties"].pop("decision")
     # Strict mode wants every property required (nullable ones via anyOf null) and no extras.
     schema["required"] = list(schema["properties"])
     schema["additionalProperties"] = False
@@ -55,23 +57,32 @@ def review_response_format() -> dict:
     }
 
 
-# Bounds sent with the schema (not enforced when validating a reply): a small model held to a
-# grammar can otherwise loop inside a string or a list until max_tokens cuts the JSON off. With
-# them the default model's greedy reviews close properly (19 of 20 in a measurement, 2026-11-29).
+# Bounds sent with the schema: a small model held to a grammar can otherwise loop inside a string
+# or a list until max_tokens cuts the JSON off (with the length bounds, 19 of 20 greedy reviews
+# closed properly, 2026-11-29), or fill a list with "1.00" and "4.], ," (issue 19: 64% of the
+# items). An item must start with a word and have a second one; a summary must end a sentence.
+# Review's validators check the same on our side, for servers that ignore them.
 SUMMARY_MAX_CHARS = 400
+SUMMARY_PATTERN = r"^[A-Z][^\n]*[.!?]$"
+ITEM_MIN_CHARS = 12
 ITEM_MAX_CHARS = 160
-LIST_MAX_ITEMS = 4
+ITEM_PATTERN = r"^[A-Za-z][A-Za-z'-]* [A-Za-z][^\n]*$"
 
 
 def _bound(name: str, prop: dict) -> None:
     if prop.get("type") == "array":
+        prop["minItems"] = 1
         prop["maxItems"] = LIST_MAX_ITEMS
-        prop.setdefault("items", {})["maxLength"] = ITEM_MAX_CHARS
+        prop.setdefault("items", {}).update(
+            minLength=ITEM_MIN_CHARS, maxLength=ITEM_MAX_CHARS, pattern=ITEM_PATTERN
+        )
     elif prop.get("type") == "string" and name == "summary":
         prop["maxLength"] = SUMMARY_MAX_CHARS
+        prop["pattern"] = SUMMARY_PATTERN
 
 
 def parse_review(text: str, input_basis: InputBasis) -> ReviewParse:
+    text = keep_latex_backslashes(text)
     exact = _validate_exact(text, input_basis)
     if exact is not None:
         return ReviewParse(exact, "ok")
@@ -83,6 +94,19 @@ def parse_review(text: str, input_basis: InputBasis) -> ReviewParse:
         return ReviewParse(Review.model_validate(data), "repaired")
     except ValidationError as e:
         return ReviewParse(None, "failed", _condense(e))
+
+
+# A LaTeX command the model copied from the abstract into a JSON string without doubling its
+# backslash: JSON reads `\textbf` as a tab and "extbf", `\beta` as a backspace and "eta" (then
+# cleaned away as a control character). A JSON escape \t \b \f \r followed by a lower-case
+# letter, or \n followed by a LaTeX command's name, is taken as the command (issue 19).
+_LATEX_ESCAPE = re.compile(
+    r"(?<!\\)((?:\\\\)*)\\(?=[bfrt][a-z]|n(?:abla|eq|ewline|oindent|ot|u|e|i)(?![a-z]))"
+)
+
+
+def keep_latex_backslashes(text: str) -> str:
+    return _LATEX_ESCAPE.sub(lambda m: m.group(1) + "\\\\", text)
 
 
 def _validate_exact(text: str, input_basis: InputBasis) -> Review | None:

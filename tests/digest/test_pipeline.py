@@ -84,7 +84,8 @@ def test_run_stores_everything_then_a_rerun_calls_nothing(tmp_path, db_url):
         reviews = [b for b in stub.requests if "response_format" in b]
         assert len(reviews) == 4
         assert all(b["frequency_penalty"] == 0.5 for b in reviews)
-        assert not any("frequency_penalty" in b for b in stub.requests if b not in reviews)
+        summaries = [b for b in stub.requests if b not in reviews]
+        assert all(b["frequency_penalty"] == 0.3 for b in summaries)  # issue 19: loops
 
         html_before = (tmp_path / "out" / f"digest-{DAY}.html").read_bytes()
         second = run_digest(options(tmp_path, db_url, stub.base_url))

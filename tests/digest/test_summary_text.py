@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from digest.summary_text import tidy_summary
+from digest.summary_text import finish_text, tidy_summary
 
 
 def test_keeps_five_sentences_and_drops_a_cut_off_tail():
@@ -18,5 +18,25 @@ def test_flattens_lists_and_paragraphs():
     assert tidy_summary(text, cut_off=False) == "The paper: proposes A. Tests B. Finds C."
 
 
-def test_a_single_unfinished_sentence_is_kept():
-    assert tidy_summary("An endless sentence about", cut_off=True) == "An endless sentence about"
+def test_a_single_unfinished_sentence_ends_at_a_whole_word_never_mid_word():
+    # Issue 19: the cut may have gone through the last word ("mod" of "model"): it goes, and so
+    # does a dangling "the"; an ellipsis says the sentence was longer.
+    assert tidy_summary("An endless sentence about the mod", cut_off=True) == (
+        "An endless sentence about…"
+    )
+    # Not cut off: the model's own last word stays.
+    assert tidy_summary("An endless sentence about", cut_off=False) == "An endless sentence about"
+
+
+def test_a_sentence_said_twice_is_kept_once():
+    text = "The paper proposes X. The paper proposes X. It works on Y. The paper proposes X."
+    assert tidy_summary(text, cut_off=False) == "The paper proposes X. It works on Y."
+
+
+def test_finish_text_ends_at_a_sentence_or_a_whole_word():
+    assert finish_text("It shows X. It also argues that the eval") == "It shows X."
+    assert finish_text("It argues that the evaluation of large langu") == (
+        "It argues that the evaluation of large…"
+    )
+    assert finish_text("Done.") == "Done."
+    assert finish_text("") == ""

@@ -1,0 +1,135 @@
+"""Issue 19's figures and the mechanisms behind them: loop detection (and the one retry it earns
+a summary), the faithfulness check, the quality figures, and `bench digest-quality` run end to
+end against the scripted server."""
+
+from __future__ import annotations
+
+import json
+from datetime import date
+
+from digest.entries import DigestEntry
+from digest.faithfulness import checkable_tokens, paper_source, unsupported
+from digest.paper import Paper
+from digest.pipeline import run_digest
+from digest.prompts import SUMMARY_FREQUENCY_PENALTY, SUMMARY_RETRY_FREQUENCY_PENALTY
+from digest.quality import measure
+from digest.quality_bench import QualityBenchConfig, run_quality_bench
+from digest.repetition import loops, repeated_run, repeated_sentence
+from digest.review import Review
+from digest.store.database import open_database
+from digest.store.digest_store import DigestStore
+from tests.digest.fault_server import Fault, FaultServer, review_for
+from tests.digest.test_pipeline import DAY, TITLES, options, write_papers
+
+# The shape of the default model's loops on real papers (issue 19).
+LOOPING = (
+    "The paper proposes a new value model for reinforcement learning. This value function is "
+    "designed to be flexible and can be used to evaluate the value function, which is designed "
+    "to be flexible and can be used to evaluate the value function, which"
+)
+
+
+def test_loops_are_a_sentence_said_twice_or_a_long_run_of_words_said_again():
+    text = "It works very well. Results follow. It works very well."
+    assert repeated_sentence(text) == "It works very well."
+    assert repeated_run(LOOPING) is not None and loops(LOOPING)
+    # Shared terms and short repeats are ordinary prose.
+    prose = (
+        "Large language models are strong. We evaluate large language models on two tasks. "
+        "Done. Done."
+    )
+    assert not loops(prose)
+
+
+def test_faithfulness_finds_numbers_and_names_the_source_lacks():
+    source = "We present LoRA-X for large language models (LLM) and improve accuracy by 12.5 %."
+    summary = "LoRA-X improves accuracy by 12.5% on GLUE. The LLMs gain 2012 points in English."
+    assert unsupported(summary, source) == ["GLUE", "2012", "English"]
+    # A sentence's first word is not a name; a number must stand alone ("12" is not in "2012").
+    assert checkable_tokens("Results improve. It gains 12 points.") == ["12"]
+    assert unsupported("It gains 12 points.", "in 2012") == ["12"]
+
+
+def _entry(n: int, summary: str, review: Review | None = None) -> DigestEntry:
+    abstract = "We test 3 tiny models on SQuAD."
+    paper = Paper(f"2603.0000{n}", "Tiny Models", abstract, ["Ada Lovelace"])
+    return DigestEntry(paper, "done", summary=summary, review=review)
+
+
+def test_measure_counts_each_figure():
+    review = Review.model_construct(  # as stored before issue 19: unchecked
+        summary="It argues that the eval",
+        strengths=["1.00", "Clear motivation"],
+        weaknesses=["4.], ,"],
+        questions=[],
+        limitations=[],
+        overall=3,
+        confidence=4,
+        decision="Accept",
+        input_basis="abstract",
+    )
+    entries = [
+        _entry(1, "Tiny Models tests 3 models on SQuAD.", review),
+        _entry(2, LOOPING + " and"),
+        _entry(3, "It reaches 97% on GLUE."),
+    ]
+    paper_ids = {"2603.00001": "length"}
+    figures = measure(entries, paper_ids, {})
+    assert (figures.papers, figures.done, figures.summaries) == (3, 3, 3)
+    assert figures.summaries_at_token_limit == 1
+    assert figures.summaries_looping == 1
+    assert figures.summaries_unfinished == 1
+    assert figures.summaries_unfaithful == 1  # 97%, GLUE
+    assert (figures.reviews, figures.decision_contradicts_score) == (1, 1)
+    assert figures.review_summaries_unfinished == 1
+    assert (figures.list_items, figures.list_items_junk) == (3, 2)
+    assert figures.examples["unfaithful"] == ["2603.00003: 97%, GLUE"]
+    # The source is what the model was given: a full text may hold what the abstract lacks.
+    full = {"2603.00003": paper_source(entries[2].paper, "It reaches 97% on GLUE and more.")}
+    assert measure(entries[2:], {}, full).summaries_unfaithful == 0
+
+
+def test_a_looping_summary_is_asked_once_more_under_a_stronger_penalty(tmp_path, sqlite_url):
+    faults = [Fault("text", text=LOOPING, match=TITLES[0], times=1)]
+    with FaultServer(faults=faults) as stub:
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url))
+        summaries = [r for r in stub.requests if "response_format" not in r]
+    assert report.status == "succeeded"
+    first = [r for r in summaries if TITLES[0] in r["messages"][1]["content"]]
+    assert [r["frequency_penalty"] for r in first] == [
+        SUMMARY_FREQUENCY_PENALTY,
+        SUMMARY_RETRY_FREQUENCY_PENALTY,
+    ]
+    assert len(summaries) == len(TITLES) + 1  # only the looping one was asked again
+    store = DigestStore(open_database(sqlite_url))
+    assert not loops(store.load_digest(DAY).entries[0].summary)
+    # Both calls are recorded: the first one's tokens were spent too.
+    calls = [c for c in store.calls(report.run_id) if c.kind == "summary"]
+    assert len(calls) == len(TITLES) + 1 and report.calls == len(calls) + len(TITLES)
+
+
+def test_bench_digest_quality_runs_the_digest_and_counts(tmp_path):
+    papers = write_papers(tmp_path / "papers.jsonl")
+    low = json.dumps(review_for(TITLES[1]) | {"overall": 2, "decision": "Accept"})
+    faults = [
+        Fault("text", text="It beats GPT-5 by 40 points.", match=TITLES[0], times=1),
+        Fault("text", text=low, match=TITLES[1], times=2),  # its summary, then its review
+    ]
+    with FaultServer(faults=faults) as stub:
+        cfg = QualityBenchConfig(
+            papers=str(papers),
+            num_papers=3,
+            endpoint=stub.base_url,
+            model="stub-model",
+            work_dir=str(tmp_path / "work"),
+            json_out=str(tmp_path / "quality.json"),
+        )
+        lines: list[str] = []
+        result = run_quality_bench(cfg, echo=lines.append)
+    figures = json.loads((tmp_path / "quality.json").read_text())["figures"]
+    assert figures == result["figures"]
+    assert (figures["papers"], figures["summaries"], figures["reviews"]) == (3, 3, 3)
+    assert figures["summaries_unfaithful"] == 2  # GPT-5 and 40; the JSON "summary" of paper 2
+    assert figures["decision_contradicts_score"] == 0  # the score decided: Reject
+    assert any(line.startswith("summaries with facts not in the paper") for line in lines)
+    assert (tmp_path / "work" / "out" / f"digest-{date(2026, 3, 31)}.html").is_file()
