@@ -1,0 +1,263 @@
+"""Email delivery against a real SMTP server on loopback (aiosmtpd) that requires STARTTLS, on a
+certificate made here, and AUTH: the digest arrives once, with a text and an HTML part carrying
+the summaries; a failed delivery keeps the night's results and pages and is retried by `digest
+deliver`; a server without STARTTLS is refused before any password is sent; bad settings are
+one line and exit 2."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import socket
+import ssl
+from email import message_from_bytes, policy
+from pathlib import Path
+
+import pytest
+from aiosmtpd.controller import Controller
+from aiosmtpd.smtp import AuthResult, LoginPassword
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from typer.testing import CliRunner
+
+from digest.delivery import delivery_config
+from digest.pipeline import run_digest
+from digest.store.database import open_database
+from digest.store.digest_store import DigestStore
+from nightshift.cli import app
+from tests.digest.fault_server import FaultServer, summary_for
+from tests.digest.test_pipeline import DAY, TITLES, options, write_papers
+
+USER, PASSWORD = "digest@example.org", "s3cret-pass"
+
+
+def _certificate(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 (an IP subjectAltName, as ssl checks it)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "smtp.pem", folder / "smtp.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+class Mailbox:
+    """The SMTP server's handler: what arrived, and whether it came over TLS."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[list[str], bytes, bool]] = []
+        self.logins: list[tuple[str, str]] = []
+
+    async def handle_DATA(self, server, session, envelope) -> str:  # noqa: N802
+        tls = session.ssl is not None
+        self.messages.append((list(envelope.rcpt_tos), envelope.original_content, tls))
+        return "250 OK"
+
+    def authenticate(self, server, session, envelope, mechanism, auth_data) -> AuthResult:
+        assert isinstance(auth_data, LoginPassword)
+        login, password = auth_data.login.decode(), auth_data.password.decode()
+        self.logins.append((login, password))
+        return AuthResult(success=(login, password) == (USER, PASSWORD), handled=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def smtp_server(tmp_path):
+    """A STARTTLS-only, AUTH-required SMTP server on 127.0.0.1; yields (mailbox, env)."""
+    cert, key = _certificate(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    mailbox = Mailbox()
+    port = _free_port()
+    controller = Controller(
+        mailbox,
+        hostname="127.0.0.1",
+        port=port,
+        tls_context=context,
+        require_starttls=True,
+        auth_required=True,
+        authenticator=mailbox.authenticate,
+    )
+    controller.start()
+    env = {
+        "NIGHTSHIFT_SMTP_HOST": "127.0.0.1",
+        "NIGHTSHIFT_SMTP_PORT": str(port),
+        "NIGHTSHIFT_SMTP_USER": USER,
+        "NIGHTSHIFT_SMTP_PASSWORD": PASSWORD,
+        "NIGHTSHIFT_SMTP_CA_FILE": str(cert),
+    }
+    try:
+        yield mailbox, env
+    finally:
+        controller.stop()
+
+
+def _parts(raw: bytes) -> tuple[object, str, str]:
+    message = message_from_bytes(raw, policy=policy.default)
+    assert message.get_content_type() == "multipart/alternative"
+    text = message.get_body(("plain",)).get_content()
+    html = message.get_body(("html",)).get_content()
+    return message, text, html
+
+
+def test_a_run_mails_the_digest_once_over_starttls_with_auth(tmp_path, db_url, smtp_server,
+                                                             monkeypatch):  # fmt: skip
+    mailbox, env = smtp_server
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = delivery_config(["reader@example.org"], None, "https://digest.example.org/")
+    with FaultServer() as stub:
+        run = options(tmp_path, db_url, stub.base_url, delivery=config)
+        report = run_digest(run)
+        assert (report.status, report.exit_code, report.delivery_failed) == ("succeeded", 0, False)
+        assert report.deliveries == ["delivery by email to reader@example.org: sent"]
+        # A rerun that changes nothing does not mail the readers again.
+        again = run_digest(run)
+        assert again.deliveries == [
+            "delivery by email to reader@example.org: skipped: already sent"
+        ]
+    assert mailbox.logins == [(USER, PASSWORD)]
+    ((recipients, raw, tls),) = mailbox.messages
+    assert recipients == ["reader@example.org"] and tls
+    message, text, html = _parts(raw)
+    assert message["Subject"] == f"Paper digest {DAY}: 4 papers"
+    assert message["From"] == USER and message["To"] == "reader@example.org"
+    page = f"https://digest.example.org/digest-{DAY}.html"
+    assert page in text and f'href="{page}"' in html
+    for title in TITLES:
+        assert title in text
+        assert " ".join(summary_for(title).split()[:6]) in " ".join(text.split())
+        # Autoescaped in HTML: the title's <script> arrives as text.
+        assert summary_for(title).replace("<", "&lt;").replace(">", "&gt;") in html
+    assert "<script>" not in html
+
+
+def test_a_failed_delivery_keeps_the_digest_and_digest_deliver_sends_it(
+    tmp_path, sqlite_url, smtp_server, monkeypatch
+):
+    mailbox, env = smtp_server
+    for name, value in {**env, "NIGHTSHIFT_SMTP_PASSWORD": "wrong"}.items():
+        monkeypatch.setenv(name, value)
+    runner = CliRunner()
+    out = str(tmp_path / "out")
+    source = str(write_papers(tmp_path / "papers.jsonl"))
+    with FaultServer() as stub:
+        result = runner.invoke(
+            app,
+            ["digest", "run", "--source", source, "--date", str(DAY), "--db", sqlite_url,
+             "--out", out, "--endpoint", stub.base_url, "--model", "stub-model",
+             "--email-to", "a@example.org,b@example.org"],
+        )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "delivery by email to a@example.org, b@example.org: failed: SMTP 127.0.0.1" in (
+        result.output
+    )
+    assert "authentication failed (535" in result.output
+    assert f"send it again: digest deliver --date {DAY}" in result.output
+    assert mailbox.messages == []
+    # Everything the night made is stored and published.
+    store = DigestStore(open_database(sqlite_url))
+    assert [item.status for item, _ in store.items(DAY)] == ["done"] * 4
+    assert (tmp_path / "out" / f"digest-{DAY}.html").is_file()
+    (failed,) = store.deliveries(DAY)
+    assert failed.status == "failed" and "authentication failed" in failed.error
+
+    monkeypatch.setenv("NIGHTSHIFT_SMTP_PASSWORD", PASSWORD)
+    deliver = ["digest", "deliver", "--date", str(DAY), "--db", sqlite_url]
+    deliver += ["--email-to", "a@example.org,b@example.org"]
+    sent = runner.invoke(app, deliver)
+    assert sent.exit_code == 0, sent.output
+    assert "delivery by email to a@example.org, b@example.org: sent" in sent.output
+    ((recipients, _, tls),) = mailbox.messages
+    assert recipients == ["a@example.org", "b@example.org"] and tls
+    skipped = runner.invoke(app, deliver)
+    assert "skipped: already sent" in skipped.output and len(mailbox.messages) == 1
+    forced = runner.invoke(app, [*deliver, "--again"])
+    assert forced.exit_code == 0 and len(mailbox.messages) == 2
+    unknown = runner.invoke(app, [*deliver[:3], "2020-01-01", *deliver[4:]])
+    assert unknown.exit_code == 1 and "no digest for 2020-01-01" in unknown.output
+
+
+def test_a_server_without_starttls_is_refused_before_the_password(tmp_path, sqlite_url,
+                                                                  monkeypatch):  # fmt: skip
+    mailbox = Mailbox()
+    port = _free_port()
+    controller = Controller(mailbox, hostname="127.0.0.1", port=port)  # no TLS offered
+    controller.start()
+    try:
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_HOST", "127.0.0.1")
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_PORT", str(port))
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_USER", USER)
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_PASSWORD", PASSWORD)
+        config = delivery_config(["reader@example.org"], None, None)
+        with FaultServer() as stub:
+            report = run_digest(options(tmp_path, sqlite_url, stub.base_url, delivery=config))
+    finally:
+        controller.stop()
+    assert report.delivery_failed and report.exit_code == 1 and report.status == "succeeded"
+    assert "does not offer STARTTLS; refusing to send in clear" in report.deliveries[0]
+    assert mailbox.messages == [] and mailbox.logins == []
+
+
+@pytest.mark.parametrize(
+    ("env", "problem"),
+    [
+        ({}, "email delivery needs NIGHTSHIFT_SMTP_HOST"),
+        ({"NIGHTSHIFT_SMTP_HOST": "mail", "NIGHTSHIFT_SMTP_PORT": "99999"},
+         "NIGHTSHIFT_SMTP_PORT must be 1-65535, not '99999'"),
+        ({"NIGHTSHIFT_SMTP_HOST": "mail", "NIGHTSHIFT_SMTP_USER": "u@x.org"},
+         "SMTP authentication needs NIGHTSHIFT_SMTP_PASSWORD as well"),
+        ({"NIGHTSHIFT_SMTP_HOST": "mail"}, "NIGHTSHIFT_SMTP_FROM must be an email address"),
+        ({"NIGHTSHIFT_SMTP_HOST": "mail", "NIGHTSHIFT_SMTP_FROM": "d@x.org",
+          "NIGHTSHIFT_SMTP_CA_FILE": "/nonexistent/ca.pem"}, "NIGHTSHIFT_SMTP_CA_FILE: no file"),
+    ],
+)  # fmt: skip
+def test_bad_smtp_settings_are_one_line_and_exit_2_before_any_work(
+    tmp_path, sqlite_url, monkeypatch, env, problem
+):
+    for name in ("HOST", "PORT", "USER", "PASSWORD", "FROM", "CA_FILE"):
+        monkeypatch.delenv(f"NIGHTSHIFT_SMTP_{name}", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(
+        app,
+        ["digest", "run", "--source", str(write_papers(tmp_path / "p.jsonl")), "--db",
+         sqlite_url, "--out", str(tmp_path / "out"), "--endpoint", "http://127.0.0.1:9/v1",
+         "--model", "m", "--email-to", "reader@example.org"],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert problem in result.output and result.output.count("\n") == 1, result.output
+    assert not (tmp_path / "digest.db").exists()  # refused before the database is opened
+    bad_to = CliRunner().invoke(
+        app, ["digest", "deliver", "--db", sqlite_url, "--email-to", "not-an-address"]
+    )
+    assert bad_to.exit_code == 2 and "--email-to: not an email address" in bad_to.output
