@@ -89,7 +89,8 @@ class DigestItemRow(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     digest_date: Mapped[date] = mapped_column(Date, index=True)
-    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"))
+    # Indexed for search (a hit's digests) and the nightly "listed elsewhere" look-up.
+    paper_id: Mapped[str] = mapped_column(ForeignKey("papers.arxiv_id"), index=True)
     position: Mapped[int] = mapped_column(Integer)  # order in the source (ranked: best first)
     # pending | done | failed | below_cut (ranked below --max-papers: listed, never summarised)
     status: Mapped[str] = mapped_column(String(16))

@@ -80,25 +80,25 @@ def create_app(engine: Engine) -> FastAPI:
         titles = {404: "Not found", 405: "Method not allowed"}
         return _error(exc.status_code, titles.get(exc.status_code, "Error"), str(exc.detail))
 
-    @app.get("/", response_class=HTMLResponse)
-    @app.get("/index.html", response_class=HTMLResponse)
+    @app.api_route("/", methods=["GET", "HEAD"], response_class=HTMLResponse)
+    @app.api_route("/index.html", methods=["GET", "HEAD"], response_class=HTMLResponse)
     def index() -> HTMLResponse:
         return _page("site_index.html", days=_day_counts(engine), **form())
 
-    @app.get("/digest-{day}.html", response_class=HTMLResponse)
+    @app.api_route("/digest-{day}.html", methods=["GET", "HEAD"], response_class=HTMLResponse)
     def day_page(day: str) -> HTMLResponse:
         digest = store.load_digest(_parse_day(day, status=404))
         if digest is None:
             raise HTTPException(404, f"no digest for {day}")
         return HTMLResponse(render_html_page(digest), headers=_HEADERS)
 
-    @app.get("/feed.xml")
+    @app.api_route("/feed.xml", methods=["GET", "HEAD"])
     def feed() -> Response:
         recent = [d for day in store.digest_dates(FEED_DIGESTS) if (d := store.load_digest(day))]
         body = render_feed([d for d in recent if d.done])
         return Response(body, media_type="application/atom+xml", headers=_HEADERS)
 
-    @app.get("/search", response_class=HTMLResponse)
+    @app.api_route("/search", methods=["GET", "HEAD"], response_class=HTMLResponse)
     def search_page(
         q: str = Query("", max_length=MAX_QUERY_CHARS * 2),
         category: str = Query("", max_length=200),

@@ -30,6 +30,8 @@ _REVIEW_LISTS = ("strengths", "weaknesses", "questions", "limitations")
 
 
 def upgrade() -> None:
+    # A hit is a paper some digest lists: looked up per matching paper, so by paper_id.
+    op.create_index(op.f("ix_digest_items_paper_id"), "digest_items", ["paper_id"])
     if op.get_bind().dialect.name == "postgresql":
         _upgrade_postgresql()
     else:
@@ -43,11 +45,12 @@ def downgrade() -> None:
         op.execute("DROP FUNCTION IF EXISTS nightshift_search_sync()")
         op.execute("DROP FUNCTION IF EXISTS nightshift_search_refresh(varchar)")
         op.execute("DROP TABLE IF EXISTS search_documents")
-        return
-    for name in _SQLITE_TRIGGERS:
-        op.execute(f"DROP TRIGGER IF EXISTS {name}")
-    op.execute("DROP TABLE IF EXISTS search_fts")
-    op.execute("DROP TABLE IF EXISTS search_documents")
+    else:
+        for name in _SQLITE_TRIGGERS:
+            op.execute(f"DROP TRIGGER IF EXISTS {name}")
+        op.execute("DROP TABLE IF EXISTS search_fts")
+        op.execute("DROP TABLE IF EXISTS search_documents")
+    op.drop_index(op.f("ix_digest_items_paper_id"), table_name="digest_items")
 
 
 # -- SQLite ----------------------------------------------------------------------------------
