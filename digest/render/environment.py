@@ -13,6 +13,10 @@ from functools import cache
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
+from digest.faithfulness import paper_source, unsupported
+from digest.latex_text import latex_to_text
+from digest.paper import Paper
+
 # Display math first so `$$a$$` is not read as two empty inline spans; `\$` is a literal dollar.
 _MATH_RE = re.compile(r"(?<!\\)\$\$.+?(?<!\\)\$\$|(?<!\\)\$(?:\\.|[^$\\])+?\$", re.DOTALL)
 # Characters CommonMark/GFM give meaning inside a line. `\` only matters before punctuation
@@ -93,8 +97,20 @@ def _finalize_markdown(value: object) -> str:
     return escape_markdown(str(value))
 
 
+def unverified(summary: str, paper: Paper) -> list[str]:
+    """The summary's numbers and names that the paper's title, authors and abstract lack: what
+    a reader of the page cannot check there (digest/faithfulness.py)."""
+    return unsupported(summary, paper_source(paper))
+
+
 def _add_filters(env: Environment) -> Environment:
-    env.filters.update(score=score, rfc3339=rfc3339, display_time=display_time)
+    env.filters.update(
+        score=score,
+        rfc3339=rfc3339,
+        display_time=display_time,
+        tex=latex_to_text,
+        unverified=unverified,
+    )
     return env
 
 

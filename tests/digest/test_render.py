@@ -99,7 +99,8 @@ def test_html_page_is_self_contained(rendered: dict[str, str]) -> None:
     assert page.find("style") is not None
     assert not page.find_all(src=True)
     external = [a["href"] for a in page.find_all(href=True) if a["href"].startswith("http")]
-    assert all(href.startswith("https://arxiv.org/abs/") for href in external)
+    arxiv = ("https://arxiv.org/abs/", "https://arxiv.org/pdf/")
+    assert all(href.startswith(arxiv) for href in external)
 
 
 def test_paper_text_is_escaped_everywhere(rendered: dict[str, str]) -> None:
@@ -114,19 +115,25 @@ def test_paper_text_is_escaped_everywhere(rendered: dict[str, str]) -> None:
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in rendered["digest-2024-01-15.md"]
 
 
-def test_latex_survives_in_html(rendered: dict[str, str]) -> None:
-    text = soup(rendered["digest-2024-01-15.html"]).get_text()
-    for formula in LATEX:
+# Issue 19: LaTeX showed raw on the page (and `\textbf` lost its `\t` on the way). The page is
+# read without a TeX renderer: formulas become their Unicode text, commands go.
+LATEX_AS_TEXT = ["x² < y", "αᵢ", "Σᵢ₌₁ⁿ aᵢ > 0", "O(n)"]
+
+
+def test_latex_is_rendered_as_text_in_html(rendered: dict[str, str]) -> None:
+    good = article(rendered["digest-2024-01-15.html"], "2401.01234")
+    text = good.get_text()
+    for formula in LATEX_AS_TEXT:
         assert formula in text
-    assert "$O(n^2)$" in text
+    assert good.h3.get_text().endswith("and O(n²)")
+    assert "$" not in text and "\\" not in text
 
 
-def test_latex_survives_in_markdown(rendered: dict[str, str]) -> None:
+def test_latex_is_rendered_as_text_in_markdown(rendered: dict[str, str]) -> None:
     text = html.unescape(rendered["digest-2024-01-15.md"])
-    for formula in LATEX[:3]:
+    for formula in LATEX_AS_TEXT:
         assert formula in text
-    # `\m` is no Markdown escape, so a backslash before a letter is left as typed.
-    assert r"\mathcal{O}(n)" in text
+    assert "$" not in text and "\\mathcal" not in text
 
 
 def test_markdown_keeps_markup_out_of_paper_text(rendered: dict[str, str]) -> None:
@@ -182,13 +189,13 @@ def test_review_lists_summary_and_basis(rendered: dict[str, str]) -> None:
     assert good.h3.a["href"] == "https://arxiv.org/abs/2401.01234"
 
 
-def test_unparsed_review_is_shown_as_received(rendered: dict[str, str]) -> None:
+def test_an_unparsed_reply_stays_off_the_public_page(rendered: dict[str, str]) -> None:
+    # Issue 19: operational text (errors, raw replies, the prompt version) is for the run
+    # report; readers see the summary, or that the paper is not summarised yet.
     unparsed = article(rendered["digest-2024-01-15.html"], "2401.05678")
-    assert "unparsed" in unparsed.get_text()
-    assert unparsed.pre.get_text() == RAW_REPLY
+    assert unparsed.pre is None and "overall" not in unparsed.get_text()
     md = rendered["digest-2024-01-15.md"]
-    assert "**Review unparsed**" in md
-    assert f"<pre>{html.escape(RAW_REPLY, quote=False)}</pre>" in md
+    assert "Review unparsed" not in md and "alert(2)" not in md
 
 
 def test_failed_and_pending_papers_are_listed(rendered: dict[str, str]) -> None:
@@ -198,11 +205,51 @@ def test_failed_and_pending_papers_are_listed(rendered: dict[str, str]) -> None:
     ids = [a["id"] for a in heading.find_all_next("article")]
     assert ids == ["hep-th/9901001", "2401.09999"]
     failed = article(rendered["digest-2024-01-15.html"], "hep-th/9901001")
-    assert "timeout <after> 3 tries" in failed.get_text()
+    assert "Not summarised yet" in failed.get_text()
     md = rendered["digest-2024-01-15.md"]
     not_processed = md.split("## Not processed", 1)[1]
     assert "The failed one" in not_processed and "The pending one" in not_processed
-    assert "**Error:** timeout &lt;after&gt; 3 tries" in not_processed
+    assert "Not summarised yet" in not_processed
+
+
+def test_no_error_text_or_prompt_version_on_the_public_pages(rendered: dict[str, str]) -> None:
+    for name in ("digest-2024-01-15.html", "digest-2024-01-15.md"):
+        assert "timeout" not in rendered[name] and "3 tries" not in rendered[name]
+        assert "review-v1" not in rendered[name] and "prompt" not in rendered[name]
+
+
+def test_contents_pdf_links_and_dark_mode(rendered: dict[str, str]) -> None:
+    page = soup(rendered["digest-2024-01-15.html"])
+    toc = page.find("nav", class_="toc")
+    links = [(a["href"], a.get_text()) for a in toc.find_all("a")]
+    assert [href for href, _ in links] == [
+        "#2401.01234",
+        "#2401.05678",
+        "#hep-th/9901001",
+        "#2401.09999",
+    ]
+    assert links[0][1].endswith("and O(n²)")  # the title as the page shows it
+    assert all(page.find(id=href[1:]) is not None for href, _ in links)
+    good = article(rendered["digest-2024-01-15.html"], "2401.01234")
+    assert good.find("a", string="PDF")["href"] == "https://arxiv.org/pdf/2401.01234v2"
+    assert "(https://arxiv.org/pdf/2401.01234v2)" in rendered["digest-2024-01-15.md"]
+    assert "prefers-color-scheme: dark" in page.style.get_text()
+    assert page.find("meta", attrs={"name": "color-scheme"})["content"] == "light dark"
+
+
+def test_a_summary_with_facts_the_abstract_lacks_is_marked_unverified(tmp_path: Path) -> None:
+    digest = make_digest()
+    digest.entries[0].summary = "It beats GPT-5 by 40 points on $x^2 < y$."
+    paths = write_outputs(tmp_path, digest, [digest])
+    pages = {path.name: path.read_text(encoding="utf-8") for path in paths}
+    good = article(pages["digest-2024-01-15.html"], "2401.01234")
+    assert good.find("span", class_="unverified").get_text() == "unverified"
+    note = good.find("p", class_="unverified-note").get_text()
+    assert "GPT-5, 40" in note and "abstract does not contain" in note
+    assert "**Summary (unverified):**" in pages["digest-2024-01-15.md"]
+    # The fixture's own summary only repeats the abstract: no mark.
+    plain = write_outputs(tmp_path / "plain", make_digest(), [make_digest()])[0].read_text()
+    assert "unverified" not in article(plain, "2401.01234").get_text()
 
 
 def test_feed_parses_with_one_entry_per_day(tmp_path: Path) -> None:
