@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import date, timedelta
 from functools import partial
 from pathlib import Path
@@ -36,7 +36,7 @@ from digest.paper_results import (
     store_summary,
     work_key,
 )
-from digest.profile import ReaderProfile
+from digest.profile import ProfileError, ReaderProfile, load_profile
 from digest.progress import ProgressSink
 from digest.prompts import (
     PROMPT_VERSION,
@@ -126,6 +126,10 @@ class RunOptions:
     # best first, and --max-papers takes the top of the ranking; the rest are listed below the
     # cut (status below_cut), never summarised, so that no paper waits or is lost.
     profile: ReaderProfile | None = None
+    # The profile's file: read again at each run, so that `digest profile add` counts from the
+    # next night of a long-running `digest schedule` (a file broken since keeps `profile`, a
+    # file removed since means no ranking).
+    profile_path: Path | None = None
     embeddings: EmbeddingsConfig | None = None  # adds embedding similarity to the ranking
     delivery: DeliveryConfig | None = None  # email / webhook after the pages are written
 
@@ -156,6 +160,7 @@ def run_digest(
     given, is filled with the run and its lock while they are held."""
     handle = handle or RunHandle()
     started = time.perf_counter()
+    options = _with_current_profile(options)
     engine = open_database(options.db_url)
     migrate.upgrade(engine)
     store = DigestStore(engine)
@@ -231,6 +236,19 @@ def run_digest(
         deliveries=[outcome.line() for outcome in sent],
         delivery_failed=any(outcome.status == "failed" for outcome in sent),
     )
+
+
+def _with_current_profile(options: RunOptions) -> RunOptions:
+    if options.profile_path is None:
+        return options
+    if not options.profile_path.is_file():  # removed since: no ranking
+        return replace(options, profile=None)
+    try:
+        profile = load_profile(options.profile_path)
+    except ProfileError as exc:
+        log.warning("%s; ranking by the profile as it was at start", exc)
+        return options
+    return replace(options, profile=None if profile.empty else profile)
 
 
 class RedoError(ValueError):

@@ -282,6 +282,7 @@ def _run_options(
         selection="new" if selection == "new" and source == "arxiv" else "day",
         overlap=timedelta(days=overlap_days),
         profile=_reader_profile(profile),
+        profile_path=_profile_path(profile),
         embeddings=_embeddings(embeddings_endpoint, embeddings_model, api_key_env),
         delivery=_delivery(email_to, webhook_url, site_url),
     )
@@ -307,6 +308,13 @@ def _reader_profile(path: Path | None) -> ReaderProfile | None:
         log.warning("reader profile %s is empty: papers are not ranked", path)
         return None
     return profile
+
+
+def _profile_path(path: Path | None) -> Path:
+    """The file that each run reads again at its start (`digest schedule` runs for weeks)."""
+    from digest.profile import default_profile_path
+
+    return path if path is not None else default_profile_path()
 
 
 def _embeddings(url: str | None, model: str | None, key_env: str | None) -> EmbeddingsConfig | None:

@@ -151,3 +151,42 @@ def test_a_backfill_with_a_profile_fills_the_cut_once(tmp_path, sqlite_url):
         "2603.00003": "done",
         "2603.00004": "below_cut",
     }
+
+
+def test_each_run_reads_the_profile_file_again(tmp_path, sqlite_url):
+    """`digest schedule` keeps its options for weeks: each night reads the profile file again,
+    so a change counts from the next night; a broken file keeps the profile read at start; a
+    removed one means no ranking."""
+    from datetime import timedelta
+
+    from digest.profile import save_profile
+
+    path = tmp_path / "profile.json"
+    save_profile(path, ReaderProfile(keywords=["benchmark"]))
+    store = DigestStore(open_database(sqlite_url))
+
+    def night(day: date) -> list[str]:
+        run_digest(
+            options(
+                tmp_path,
+                sqlite_url,
+                stub.base_url,
+                digest_date=day,
+                profile=ReaderProfile(keywords=["scaling laws"]),  # as read at start
+                profile_path=path,
+            )
+        )
+        digest = store.load_digest(day)
+        assert digest is not None
+        return [e.paper.title for e in digest.for_you]
+
+    with FaultServer() as stub:
+        assert night(DAY) == [TITLES[2]]  # the file, not the profile read at start
+        save_profile(path, ReaderProfile(keywords=["tokenizer-free"]))
+        assert night(DAY + timedelta(days=1)) == [TITLES[3]]
+        path.write_text("{broken")
+        assert night(DAY + timedelta(days=2)) == [TITLES[1]]
+        path.unlink()
+        assert night(DAY + timedelta(days=3)) == []
+    unranked = store.items(DAY + timedelta(days=3))
+    assert [item.rank_score for item, _ in unranked] == [None] * 4
