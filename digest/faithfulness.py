@@ -53,7 +53,13 @@ def unsupported(summary: str, source: str) -> list[str]:
 
 def paper_source(paper: Paper, text: str | None = None) -> str:
     """What the model was given about the paper: its metadata and `text` (abstract default)."""
-    parts = [paper.title, ", ".join(paper.authors), text if text is not None else paper.abstract]
+    parts = [
+        paper.title,
+        ", ".join(paper.authors),
+        ", ".join(paper.categories),
+        f"arXiv: {paper.arxiv_id}v{paper.version}",
+        text if text is not None else paper.abstract,
+    ]
     return "\n".join(parts)
 
 

@@ -12,7 +12,7 @@ from digest.review import InputBasis
 
 # .2: review schema length bounds, frequency penalty. 2026-12-05: issue 19 (the decision is no
 # longer asked, list items bounded to phrases, the summary asked shorter and with a penalty).
-PROMPT_VERSION = "2026-12-05.1"
+PROMPT_VERSION = "2026-12-05.2"  # .2: no pattern on the review summary
 
 SUMMARY_MAX_TOKENS = 256
 REVIEW_MAX_TOKENS = 768

@@ -77,6 +77,17 @@ class Review(BaseModel):
         # the schema's length bound may have cut the summary anywhere.
         return finish_text(xml_safe(value))
 
+    @model_validator(mode="after")
+    def _said_once(self) -> Review:
+        # A looping model writes one item into every list ("Comedy-Drama" as strength,
+        # weakness, question and limitation): it counts where it first appears.
+        seen: set[str] = set()
+        for name in _LIST_FIELDS:
+            items = getattr(self, name)
+            setattr(self, name, [i for i in items if i.lower() not in seen])
+            seen.update(i.lower() for i in items)
+        return self
+
     @field_validator(*_LIST_FIELDS)
     @classmethod
     def _phrases(cls, value: list[str]) -> list[str]:

@@ -60,25 +60,22 @@ def review_response_format() -> dict:
 # Bounds sent with the schema: a small model held to a grammar can otherwise loop inside a string
 # or a list until max_tokens cuts the JSON off (with the length bounds, 19 of 20 greedy reviews
 # closed properly, 2026-11-29), or fill a list with "1.00" and "4.], ," (issue 19: 64% of the
-# items). An item must start with a word and have a second one; a summary must end a sentence.
-# Review's validators check the same on our side, for servers that ignore them.
+# items): an item must start with a word and have a second one. No minimum length and no
+# pattern on the summary: where the model wants to stop, a grammar that forbids it makes it
+# write filler ("weaknesses ia") or a full stop mid-word ("highly-sc."), seen on the default
+# model. Review's validators check the items, and end a cut summary, on our side.
 SUMMARY_MAX_CHARS = 400
-SUMMARY_PATTERN = r"^[A-Z][^\n]*[.!?]$"
-ITEM_MIN_CHARS = 12
 ITEM_MAX_CHARS = 160
-ITEM_PATTERN = r"^[A-Za-z][A-Za-z'-]* [A-Za-z][^\n]*$"
+ITEM_PATTERN = r"^[A-Za-z][A-Za-z'-]* [A-Za-z]{2}[^\n]*$"
 
 
 def _bound(name: str, prop: dict) -> None:
     if prop.get("type") == "array":
         prop["minItems"] = 1
         prop["maxItems"] = LIST_MAX_ITEMS
-        prop.setdefault("items", {}).update(
-            minLength=ITEM_MIN_CHARS, maxLength=ITEM_MAX_CHARS, pattern=ITEM_PATTERN
-        )
+        prop.setdefault("items", {}).update(maxLength=ITEM_MAX_CHARS, pattern=ITEM_PATTERN)
     elif prop.get("type") == "string" and name == "summary":
         prop["maxLength"] = SUMMARY_MAX_CHARS
-        prop["pattern"] = SUMMARY_PATTERN
 
 
 def parse_review(text: str, input_basis: InputBasis) -> ReviewParse:

@@ -133,3 +133,9 @@ def test_bench_digest_quality_runs_the_digest_and_counts(tmp_path):
     assert figures["decision_contradicts_score"] == 0  # the score decided: Reject
     assert any(line.startswith("summaries with facts not in the paper") for line in lines)
     assert (tmp_path / "work" / "out" / f"digest-{date(2026, 3, 31)}.html").is_file()
+
+
+def test_the_source_includes_the_metadata_the_model_was_shown():
+    paper = Paper("2603.00001", "Tiny Models", "We test tiny models.", ["Ada Lovelace"], ["cs.CL"])
+    said = "Lovelace's Tiny Models (arXiv 2603.00001v1, cs.CL) are tested."
+    assert unsupported(said, paper_source(paper)) == []

@@ -236,7 +236,7 @@ def test_latex_commands_keep_their_backslash():
     assert review.weaknesses == ["Uses \\textbf markup"]
 
 
-def test_the_bounds_sent_hold_items_to_phrases_and_the_summary_to_a_sentence():
+def test_the_bounds_sent_hold_items_to_phrases():
     import re
 
     props = review_response_format()["json_schema"]["schema"]["properties"]
@@ -244,7 +244,14 @@ def test_the_bounds_sent_hold_items_to_phrases_and_the_summary_to_a_sentence():
     assert props["strengths"]["minItems"] == 1 and props["strengths"]["maxItems"] == 4
     pattern = re.compile(item["pattern"])
     assert pattern.match("Clear motivation") and pattern.match("LLM evaluation is thorough")
-    for junk in ("1.00", "4.], ,", "N/A", "Simple"):
+    for junk in ("1.00", "4.], ,", "N/A", "Simple", "weaknesses i"):
         assert not pattern.match(junk)
-    summary = re.compile(props["summary"]["pattern"])
-    assert summary.match("It shows X.") and not summary.match("It shows the eval")
+    assert props["summary"]["maxLength"] == 400 and "pattern" not in props["summary"]
+
+
+def test_an_item_written_into_every_list_counts_once():
+    same = ["Comedy drama sketches"]
+    reply = _with(strengths=same, weaknesses=same + ["Few baselines"], questions=same)
+    review = parse_review(json.dumps(reply), "abstract").review
+    assert review.strengths == same and review.weaknesses == ["Few baselines"]
+    assert review.questions == []
