@@ -13,7 +13,7 @@ from urllib.parse import quote
 import httpx
 import pytest
 
-from digest.render.html_page import render_html_page
+from digest.render import write_pages
 from digest.store import migrate
 from digest.store.database import open_database
 from tests.digest.web_view_server import (
@@ -34,7 +34,7 @@ def served(db_url):
     store.engine.dispose()
 
 
-def test_dates_day_pages_search_and_categories(served):
+def test_dates_day_pages_search_and_categories(served, tmp_path):
     store, server, http = served
     assert server.url.startswith("http://127.0.0.1:")  # loopback unless told
     index = http.get("/")
@@ -44,7 +44,8 @@ def test_dates_day_pages_search_and_categories(served):
     assert 'href="search?category=cs.IR"' in index.text
     # A date's page is the published page itself, byte for byte.
     day = http.get(f"/digest-{MONDAY}.html")
-    assert day.status_code == 200 and day.text == render_html_page(store.load_digest(MONDAY))
+    published = write_pages(tmp_path, store.load_digest(MONDAY))[0]  # what `digest render` writes
+    assert day.status_code == 200 and day.text == published.read_text(encoding="utf-8")
     assert "Tokenisers for &lt;b&gt;code&lt;/b&gt; &amp; math" in day.text
     hits = http.get("/search", params={"q": "ablation 2603.00003"})
     assert hits.status_code == 200
