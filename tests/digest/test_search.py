@@ -294,3 +294,26 @@ def test_concurrent_writers_of_one_paper_both_reach_the_index(db_url):
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM search_documents")).scalar_one() == 1
     engine.dispose()
+
+
+def test_a_real_run_is_searchable_and_links_to_its_published_entries(tmp_path, db_url):
+    """`digest run` (a stub model) fills the index through the store's ordinary writes; every
+    hit's link names an entry that the published page has."""
+    from digest.pipeline import run_digest
+    from tests.digest.fault_server import FaultServer
+    from tests.digest.test_pipeline import DAY, options
+
+    with FaultServer() as stub:
+        report = run_digest(options(tmp_path, db_url, stub.base_url))
+    assert report.exit_code == 0
+    engine = open_database(db_url)
+    from_summaries = search(engine, parse_query('"focused problem"'))  # the stub's summaries
+    from_reviews = search(engine, parse_query("limited baselines"))  # its reviews' weaknesses
+    assert from_summaries.total == from_reviews.total == 4
+    by_title = search(engine, parse_query("tokenizer-free"))
+    assert [h.paper.title for h in by_title.hits] == ["Tokenizer-Free Language Models"]
+    page = (tmp_path / "out" / f"digest-{DAY}.html").read_text(encoding="utf-8")
+    for hit in from_reviews.hits:
+        name, anchor = hit.entry_link().split("#")
+        assert name == f"digest-{DAY}.html" and f'id="{anchor}"' in page
+    engine.dispose()
