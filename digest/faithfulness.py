@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from digest.entries import DigestEntry
 from digest.paper import Paper
 
 # A token with a digit (12%, 3.5, GPT-4, Llama-3.1-8B) or a name: an acronym (BERT, LLMs), a
@@ -78,3 +79,13 @@ def _found(token: str, haystack: str) -> bool:
         return True
     singular = _PLURAL.sub("", token).lower()
     return singular != needle and singular in haystack
+
+
+def unverified_entries(entries: list[DigestEntry]) -> list[tuple[str, list[str]]]:
+    """(paper id, facts) for each summary with numbers or names its abstract lacks, as the page
+    marks them."""
+    found = []
+    for entry in entries:
+        if entry.summary and (missing := unsupported(entry.summary, paper_source(entry.paper))):
+            found.append((entry.paper.arxiv_id, missing))
+    return found

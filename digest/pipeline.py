@@ -24,6 +24,7 @@ from digest.clean_text import clean_paper
 from digest.delivery import DeliveryConfig, deliver
 from digest.embeddings_client import EmbeddingsConfig, embed_texts
 from digest.endpoint import LOCAL, Endpoint, check_endpoint, context_tokens, open_endpoint
+from digest.faithfulness import unverified_entries
 from digest.paper import Paper, papers_count
 from digest.paper_results import (
     PaperInput,
@@ -54,6 +55,7 @@ from digest.render import write_listings, write_outputs, write_pages
 from digest.repetition import loops
 from digest.review import InputBasis
 from digest.review_parse import review_response_format
+from digest.run_cost import Pricing
 from digest.run_report import RunReport
 from digest.sources import DEFAULT_CATEGORIES, load_papers
 from digest.sources.arxiv_api import API_URL
@@ -132,6 +134,7 @@ class RunOptions:
     profile_path: Path | None = None
     embeddings: EmbeddingsConfig | None = None  # adds embedding similarity to the ranking
     delivery: DeliveryConfig | None = None  # email / webhook after the pages are written
+    pricing: Pricing | None = None  # the run report's cost line (digest/run_cost.py)
 
 
 @dataclass(slots=True)
@@ -235,6 +238,9 @@ def run_digest(
         ),
         deliveries=[outcome.line() for outcome in sent],
         delivery_failed=any(outcome.status == "failed" for outcome in sent),
+        prompt_version=PROMPT_VERSION,
+        unverified=unverified_entries(digest.done) if digest else [],
+        pricing=options.pricing,
     )
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from digest.run_cost import NightCost, Pricing, night_cost
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # the run itself failed (source unreachable, lock held, ...)
 EXIT_USAGE = 2
@@ -30,6 +32,10 @@ class RunReport:
     papers_below_cut: int = 0  # ranked below --max-papers: listed, not summarised
     deliveries: list[str] = field(default_factory=list)  # one line per delivery target
     delivery_failed: bool = False  # the digest is stored and published, but a send failed
+    # What the public page leaves out (issue 19) is said here, for the operator.
+    prompt_version: str = ""
+    unverified: list[tuple[str, list[str]]] = field(default_factory=list)  # (paper id, facts)
+    pricing: Pricing | None = None  # None: no cost line
 
     @property
     def exit_code(self) -> int:
@@ -42,6 +48,10 @@ class RunReport:
     def completion_tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def cost(self) -> NightCost | None:
+        return night_cost(self.pricing, self.prompt_tokens, self.completion_tokens, self.wall_s)
+
     def lines(self) -> list[str]:
         out = [
             f"digest {self.digest_date.isoformat()} (run {self.run_id}): {self.status}",
@@ -52,6 +62,14 @@ class RunReport:
             f"({self.cached_tokens} cached), {self.completion_tokens} completion",
             f"  wall time {self.wall_s:.1f} s, {self.completion_tokens_per_s:.1f} "
             f"completion tokens/s",
+        ]
+        if (cost := self.cost) is not None:
+            out.append(cost.line())
+        if self.prompt_version:
+            out.append(f"  prompt version {self.prompt_version}")
+        out += [
+            f"  unverified: {pid}: the summary names {', '.join(facts)}, not in the paper's text"
+            for pid, facts in self.unverified
         ]
         out += [f"  failed: {pid}: {error}" for pid, error in self.failed]
         out += [f"  wrote {path}" for path in self.outputs]

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from digest.embeddings_client import EmbeddingsConfig
     from digest.pipeline import RunOptions
     from digest.profile import ReaderProfile
+    from digest.run_cost import Pricing
     from digest.run_report import RunReport
 
 T = TypeVar("T")
@@ -158,6 +159,27 @@ WebhookOpt = Annotated[
         "environment variable).",
     ),
 ]
+PriceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--price-per-mtok",
+        metavar="IN,OUT",
+        help="Cost per night in the run report: USD per million prompt and completion tokens "
+        "(a cloud endpoint), e.g. 0.15,0.60.",
+    ),
+]
+GpuOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Cost per night in the run report: the self-hosted server's GPU (a capacity "
+        "catalogue name), priced per GPU-hour of the run."
+    ),
+]
+GpusOpt = Annotated[int, typer.Option(help="GPUs the server holds (with --gpu).")]
+GpuPriceOpt = Annotated[
+    float | None,
+    typer.Option(help="USD per GPU-hour (with --gpu); default the catalogue's assumed price."),
+]
 ThreadsOpt = Annotated[
     int | None,
     typer.Option(
@@ -230,6 +252,10 @@ def _run_options(
     embeddings_model: str | None = None,
     email_to: str | None = None,
     webhook_url: str | None = None,
+    price_per_mtok: str | None = None,
+    gpu: str | None = None,
+    gpus: int = 1,
+    gpu_price: float | None = None,
 ) -> RunOptions:
     from digest.pipeline import RunOptions
 
@@ -285,7 +311,34 @@ def _run_options(
         profile_path=_profile_path(profile),
         embeddings=_embeddings(embeddings_endpoint, embeddings_model, api_key_env),
         delivery=_delivery(email_to, webhook_url, site_url),
+        pricing=_pricing(price_per_mtok, gpu, gpus, gpu_price),
     )
+
+
+def _pricing(
+    price_per_mtok: str | None, gpu: str | None, gpus: int, gpu_price: float | None
+) -> Pricing | None:
+    """How the run report prices the night; a bad price or GPU name: one line, exit 2."""
+    from digest.run_cost import Pricing
+
+    if price_per_mtok is None and gpu is None:
+        if gpu_price is not None:
+            raise _fail("--gpu-price needs --gpu", EXIT_USAGE)
+        return None
+    prices: tuple[float | None, float | None] = (None, None)
+    if price_per_mtok is not None:
+        try:
+            price_in, price_out = (float(p) for p in price_per_mtok.split(","))
+        except ValueError:
+            raise _fail(
+                f"--price-per-mtok must be IN,OUT (USD per million tokens), not {price_per_mtok!r}",
+                EXIT_USAGE,
+            ) from None
+        prices = (price_in, price_out)
+    try:
+        return Pricing(*prices, gpu=gpu, gpus=gpus, price_per_gpu_hour=gpu_price)
+    except ValueError as exc:  # also the catalogue's unknown GPU name
+        raise _fail(str(exc), EXIT_USAGE) from None
 
 
 def _reader_profile(path: Path | None) -> ReaderProfile | None:
@@ -465,6 +518,10 @@ _RUN_FIELDS = (
     "embeddings_model",
     "email_to",
     "webhook_url",
+    "price_per_mtok",
+    "gpu",
+    "gpus",
+    "gpu_price",
 )
 
 
@@ -501,6 +558,10 @@ def digest_run(
     embeddings_model: EmbeddingsModelOpt = None,
     email_to: EmailToOpt = None,
     webhook_url: WebhookOpt = None,
+    price_per_mtok: PriceOpt = None,
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = 1,
+    gpu_price: GpuPriceOpt = None,
     redo: Annotated[
         list[str] | None,
         typer.Option(
@@ -677,6 +738,10 @@ def digest_schedule(
     embeddings_model: EmbeddingsModelOpt = None,
     email_to: EmailToOpt = None,
     webhook_url: WebhookOpt = None,
+    price_per_mtok: PriceOpt = None,
+    gpu: GpuOpt = None,
+    gpus: GpusOpt = 1,
+    gpu_price: GpuPriceOpt = None,
 ) -> None:
     """Run the digest every night at --at (what arXiv announced since the last run); runs until
     stopped."""
