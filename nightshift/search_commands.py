@@ -51,6 +51,9 @@ def digest_search(
     date_: Annotated[
         str | None, typer.Option("--date", help="Only the digest of this date, YYYY-MM-DD.")
     ] = None,
+    for_you: Annotated[
+        bool, typer.Option("--for-you", help='Only papers a digest listed "for you" (profile).')
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")] = False,
     site_url: Annotated[
         str | None,
@@ -75,7 +78,7 @@ def digest_search(
         raise fail(str(exc)) from None
     engine = open_for_reading(db)
     try:
-        results = search(engine, parsed, category=category, day=day, limit=limit)
+        results = search(engine, parsed, category=category, day=day, for_you=for_you, limit=limit)
     except QueryError as exc:
         raise fail(str(exc)) from None
     except DBAPIError as exc:

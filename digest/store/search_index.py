@@ -70,12 +70,14 @@ def search(
     *,
     category: str | None = None,
     day: date | None = None,
+    for_you: bool = False,
     limit: int = 20,
     offset: int = 0,
 ) -> SearchResults:
-    """Papers matching `query` (best first), or without a query those of `category` and/or
-    `day` (newest digest first). Raises QueryError for a query the index cannot take."""
-    filters = {"category": category, "day": day}
+    """Papers matching `query` (best first), or without a query those of `category`, `day`
+    and/or `for_you` (a digest listed them "for you", by the reader profile; newest digest
+    first). Raises QueryError for a query the index cannot take."""
+    filters = {"category": category, "day": day, "for_you": "yes" if for_you else None}
     with engine.connect() as connection:
         try:
             if query is None:
@@ -122,8 +124,11 @@ def _json_elements(dialect: str, column: str) -> str:
 
 
 def _filters(dialect: str, paper_id: str, filters: dict) -> str:
-    """SQL conditions on `paper_id`: listed in a digest (of `day`), in `category`."""
+    """SQL conditions on `paper_id`: listed in a digest (of `day`; "for you" there), in
+    `category`."""
     on_day = " AND i.digest_date = :day" if filters["day"] is not None else ""
+    if filters["for_you"] is not None:  # its reasons: a JSON list, empty or null when not
+        on_day += f" AND {_json_length(dialect, 'i.for_you')} > 0"
     sql = f"EXISTS (SELECT 1 FROM digest_items AS i WHERE i.paper_id = {paper_id}{on_day})"
     if filters["category"] is not None:
         elements = _json_elements(dialect, "p.categories")
@@ -133,8 +138,15 @@ def _filters(dialect: str, paper_id: str, filters: dict) -> str:
     return sql
 
 
+def _json_length(dialect: str, column: str) -> str:
+    if dialect == "postgresql":  # json_array_length fails on a scalar: check the type first
+        return f"CASE WHEN json_typeof({column}) = 'array' THEN json_array_length({column}) END"
+    return f"json_array_length(CASE WHEN json_valid({column}) THEN {column} ELSE '[]' END)"
+
+
 def _params(filters: dict, **more: object) -> dict:
-    return {**{k: v for k, v in filters.items() if v is not None}, **more}
+    bound = {k: v for k, v in filters.items() if v is not None and k != "for_you"}
+    return {**bound, **more}
 
 
 def _bind(sql: str, filters: dict):  # noqa: ANN202 - a TextClause

@@ -67,8 +67,15 @@ def create_app(engine: Engine) -> FastAPI:
     def form(**values: object) -> dict:
         """What the search form shows: the choices, and what was asked."""
         dates = store.digest_dates(None)
-        asked = {"q": "", "category": "", "date": "", **values}
-        return {"categories": categories(engine), "dates": dates, "asked": asked}
+        asked = {"q": "", "category": "", "date": "", "for_you": False, **values}
+        # The "for you" box only where a reader profile picked papers (digest/ranking.py).
+        for_you = search(engine, None, for_you=True, limit=1).total
+        return {
+            "categories": categories(engine),
+            "dates": dates,
+            "asked": asked,
+            "for_you": for_you,
+        }
 
     @app.exception_handler(RequestValidationError)
     async def _bad_parameters(request: Request, exc: RequestValidationError) -> HTMLResponse:
@@ -105,10 +112,11 @@ def create_app(engine: Engine) -> FastAPI:
         date_: str = Query("", alias="date", max_length=10),
         page: int = Query(1, ge=1, le=MAX_PAGE),
         limit: int = Query(20, ge=1, le=100),
+        for_you: bool = Query(False),
     ) -> HTMLResponse:
-        asked = {"q": q, "category": category, "date": date_}
+        asked = {"q": q, "category": category, "date": date_, "for_you": for_you}
         day = _parse_day(date_, status=400) if date_ else None
-        if not (q.strip() or category or day):
+        if not (q.strip() or category or day or for_you):
             return _page("site_search.html", results=None, **form(**asked))
         try:
             query = parse_query(q) if q.strip() else None
@@ -117,6 +125,7 @@ def create_app(engine: Engine) -> FastAPI:
                 query,
                 category=category or None,
                 day=day,
+                for_you=for_you,
                 limit=limit,
                 offset=(page - 1) * limit,
             )
@@ -157,7 +166,7 @@ def _pages(asked: dict, page: int, limit: int, total: int) -> dict[str, str | No
     """Links to the previous and next page of hits (None where there is none)."""
 
     def link(number: int) -> str:
-        kept = {k: v for k, v in asked.items() if v}
+        kept = {k: (1 if v is True else v) for k, v in asked.items() if v}
         return "search?" + urlencode({**kept, "page": number, "limit": limit})
 
     last = min(MAX_PAGE, max(1, -(-total // limit)))

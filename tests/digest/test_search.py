@@ -192,6 +192,22 @@ def test_filters_entry_dates_and_browsing(store):
     assert "2603.00003" not in _found(engine, "parsing")
 
 
+def test_for_you_filter(store):
+    """Papers a reader profile picked ("for you" reasons on a digest's item)."""
+    picked = _paper(1, "Parsing news", "Text.")
+    other = _paper(2, "Parsing queries", "Text.")
+    store.upsert_papers([picked, other])
+    ranking = {picked.arxiv_id: (2.0, ['mentions "parsing"']), other.arxiv_id: (0.1, [])}
+    store.add_items(MONDAY, [picked, other], "abstract", ranking=ranking)
+    engine = store.engine
+    assert _found(engine, "parsing", for_you=True) == [picked.arxiv_id]
+    assert [h.paper.arxiv_id for h in search(engine, None, for_you=True).hits] == ["2603.00001"]
+    store.upsert_papers([_paper(3, "Parsing more", "Text.")])
+    store.add_items(TUESDAY, [_paper(3, "Parsing more", "Text.")], "abstract")  # no profile
+    assert search(engine, None, for_you=True).total == 1
+    assert search(engine, parse_query("parsing")).total == 3
+
+
 GARBAGE = [
     '"',
     '""',

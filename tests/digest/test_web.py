@@ -57,6 +57,10 @@ def test_dates_day_pages_search_and_categories(served, tmp_path):
     assert (
         "2603.00003" not in http.get("/search", params={"q": "ablation", "date": str(MONDAY)}).text
     )
+    # "For you": offered where a reader profile picked papers, and a filter of its own.
+    assert 'name="for_you"' in index.text and "For you (1)" in index.text
+    for_you = http.get("/search", params={"for_you": "1"}).text
+    assert "2603.00001" in for_you and "2603.00002" not in for_you and "for you" in for_you
     feed = http.get("/feed.xml")
     assert feed.status_code == 200 and feed.headers["content-type"] == "application/atom+xml"
     assert "digest-2026-03-10.html" in feed.text
@@ -75,6 +79,7 @@ BAD = [
     "/search?q=a&page=99999999999999999999999",
     "/search?date=2026-02-30",
     "/search?date=yesterday",
+    "/search?for_you=maybe",
     "/search?category=" + "c" * 500,
     "/digest-2026-13-01.html",
     "/digest-2031-01-01.html",

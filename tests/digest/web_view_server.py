@@ -56,13 +56,16 @@ PAPERS = {
 
 
 def fill_store(url: str) -> DigestStore:
-    """Two digests: Monday (two papers), Tuesday (one), each with a summary and a review."""
+    """Two digests: Monday (two papers, one "for you"), Tuesday (one), each paper with a
+    summary and a review."""
     engine = open_database(url)
     migrate.upgrade(engine)
     store = DigestStore(engine)
     for day, papers in PAPERS.items():
         store.upsert_papers(papers)
-        store.add_items(day, papers, "abstract")
+        # A reader profile picked Monday's first paper ("for you").
+        ranking = {"2603.00001": (3.0, ['mentions "attention"'])} if day == MONDAY else None
+        store.add_items(day, papers, "abstract", ranking=ranking)
         run_id = store.start_run(day, {}, "m", "local", "p1")
         for paper in papers:
             store.save_summary(paper, KEY, f"The summary of {paper.arxiv_id}.", run_id)
