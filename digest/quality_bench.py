@@ -17,8 +17,9 @@ from digest.endpoint import LOCAL
 from digest.pipeline import RunOptions, run_digest
 from digest.prompts import PROMPT_VERSION
 from digest.quality import QualityFigures, measure
+from digest.review import Review
 from digest.store.database import open_database
-from digest.store.digest_store import DigestStore
+from digest.store.digest_store import DigestStore, WorkKey
 from engine.bench import cpu_name
 
 # The 500 real cs.CL papers of March 2026 (CC0) that the shared data folder holds.
@@ -46,6 +47,10 @@ class QualityBenchConfig:
     concurrency: int = 4
     work_dir: str | None = None  # keeps the store and pages; None: a temporary folder
     json_out: str | None = None
+    # Count what an earlier (or still running) bench left in work_dir, without running; only
+    # the papers done in every store of `common_with` too, so that two sides compare alike.
+    measure_only: bool = False
+    common_with: tuple[str, ...] = ()
 
 
 def papers_path(cfg: QualityBenchConfig) -> Path:
@@ -60,6 +65,8 @@ def papers_path(cfg: QualityBenchConfig) -> Path:
 
 
 def run_quality_bench(cfg: QualityBenchConfig, echo: Callable[[str], None] = print) -> dict:
+    if cfg.measure_only:
+        return _measure_only(cfg, echo)
     path = papers_path(cfg)
     if cfg.work_dir is None:
         with tempfile.TemporaryDirectory(prefix="nightshift-quality-") as tmp:
@@ -110,11 +117,50 @@ def _run(cfg: QualityBenchConfig, path: Path, work: Path, echo: Callable[[str], 
     return result
 
 
-def measure_store(store: DigestStore, day: date, run_id: int | None = None) -> QualityFigures:
-    """The figures of the date's digest as stored (the calls of `run_id`, or of every run)."""
+def _store(work_dir: str) -> DigestStore:
+    db = Path(work_dir) / "quality.db"
+    if not db.is_file():
+        raise ValueError(f"{db} is not there: --measure-only reads a bench's --work-dir")
+    return DigestStore(open_database(f"sqlite:///{db}"))
+
+
+def _done(store: DigestStore) -> set[str]:
+    return {item.paper_id for item, _ in store.items(BENCH_DATE) if item.status == "done"}
+
+
+def _measure_only(cfg: QualityBenchConfig, echo: Callable[[str], None]) -> dict:
+    if cfg.work_dir is None:
+        raise ValueError("--measure-only needs --work-dir (the bench's store)")
+    store = _store(cfg.work_dir)
+    only = _done(store)
+    for other in cfg.common_with:
+        only &= _done(_store(other))
+    figures = measure_store(store, BENCH_DATE, only=only if cfg.common_with else None)
+    echo(f"{cfg.work_dir}: {figures.papers} papers measured")
+    _print(figures, echo)
+    result = {"config": asdict(cfg), "machine": _machine(), "figures": figures.as_dict()}
+    if cfg.json_out:
+        Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def measure_store(
+    store: DigestStore, day: date, run_id: int | None = None, only: set[str] | None = None
+) -> QualityFigures:
+    """The figures of the date's digest as stored (the calls of `run_id`, or of every run);
+    `only`: just these papers."""
     digest = store.load_digest(day)
     if digest is None:
         raise LookupError(f"the store has no digest for {day.isoformat()}")
+    if only is not None:
+        digest.entries = [e for e in digest.entries if e.paper.arxiv_id in only]
+    for entry in digest.entries:
+        # As stored, not as today's Review would validate it: a store written by an earlier
+        # version of the digest is measured as that version published it.
+        key = WorkKey(digest.model, digest.prompt_version, entry.input_basis)
+        row = store.review(entry.paper.arxiv_id, key)
+        if row is not None and row.review is not None:
+            entry.review = Review.model_construct(**row.review)
     finish: dict[str, str | None] = {}
     for call in store.calls(run_id):
         if call.kind == "summary" and call.status == "ok":

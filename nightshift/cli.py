@@ -627,6 +627,13 @@ def bench_digest_quality(
         str | None, typer.Option(help="Keep the store and pages here (an empty folder).")
     ] = None,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+    measure_only: Annotated[
+        bool, typer.Option(help="Count what a bench left in --work-dir; no model calls.")
+    ] = False,
+    common_with: Annotated[
+        list[str] | None,
+        typer.Option(help="With --measure-only: only papers done in this work dir too."),
+    ] = None,
 ) -> None:
     """The digest on real papers, then how much of its output is worth reading (issue 19)."""
     from digest.quality_bench import QualityBenchConfig, run_quality_bench
@@ -644,6 +651,8 @@ def bench_digest_quality(
         concurrency=concurrency,
         work_dir=work_dir,
         json_out=json_out,
+        measure_only=measure_only,
+        common_with=tuple(common_with or ()),
     )
     with user_errors(ValueError):  # no papers file, a bad one: one line, exit 2
         run_quality_bench(cfg, echo=typer.echo)

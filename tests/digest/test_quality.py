@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from datetime import date
 
+import pytest
+
 from digest.entries import DigestEntry
 from digest.faithfulness import checkable_tokens, paper_source, unsupported
 from digest.paper import Paper
@@ -17,7 +19,7 @@ from digest.quality_bench import QualityBenchConfig, run_quality_bench
 from digest.repetition import loops, repeated_run, repeated_sentence
 from digest.review import Review
 from digest.store.database import open_database
-from digest.store.digest_store import DigestStore
+from digest.store.digest_store import DigestStore, WorkKey
 from tests.digest.fault_server import Fault, FaultServer, review_for
 from tests.digest.test_pipeline import DAY, TITLES, options, write_papers
 
@@ -139,3 +141,32 @@ def test_the_source_includes_the_metadata_the_model_was_shown():
     paper = Paper("2603.00001", "Tiny Models", "We test tiny models.", ["Ada Lovelace"], ["cs.CL"])
     said = "Lovelace's Tiny Models (arXiv 2603.00001v1, cs.CL) are tested."
     assert unsupported(said, paper_source(paper)) == []
+
+
+def test_measure_only_counts_a_store_as_it_was_written(tmp_path):
+    papers = write_papers(tmp_path / "papers.jsonl")
+    junk = json.dumps(review_for(TITLES[0]) | {"strengths": ["1.00", "4.], ,"]})
+    with FaultServer(faults=[Fault("text", text=junk, match=TITLES[0], times=2)]) as stub:
+        run_quality_bench(
+            QualityBenchConfig(
+                papers=str(papers),
+                num_papers=2,
+                endpoint=stub.base_url,
+                model="stub-model",
+                work_dir=str(tmp_path / "a"),
+            ),
+            echo=lambda _: None,
+        )
+    # A review stored before issue 19 kept its junk; today's validation would drop it, the
+    # measurement must not.
+    store = DigestStore(open_database(f"sqlite:///{tmp_path / 'a' / 'quality.db'}"))
+    key = store.load_digest(date(2026, 3, 31))
+    row = store.review("2603.00001", WorkKey(key.model, key.prompt_version, "abstract"))
+    with store.session() as s, s.begin():
+        s.get(type(row), row.id).review = row.review | {"strengths": ["1.00", "Clear aims"]}
+    cfg = QualityBenchConfig(work_dir=str(tmp_path / "a"), measure_only=True)
+    figures = run_quality_bench(cfg, echo=lambda _: None)["figures"]
+    assert figures["papers"] == 2 and figures["list_items_junk"] == 1
+    alone = QualityBenchConfig(work_dir=str(tmp_path / "missing"), measure_only=True)
+    with pytest.raises(ValueError, match="is not there"):
+        run_quality_bench(alone, echo=lambda _: None)
