@@ -241,18 +241,16 @@ GARBAGE = [
 ]
 
 
-@pytest.mark.parametrize("typed", GARBAGE)
-def test_query_syntax_garbage_is_searched_as_text_or_refused_clearly(store, typed):
+def test_query_syntax_garbage_is_searched_as_text_or_refused_clearly(store):
     _publish(store, MONDAY, [_paper(1, "Parsing news", "数据 解析 text.")])
-    try:
-        query = parse_query(typed)
-    except QueryError as exc:
-        assert str(exc)  # a message for the user
-        return
-    results = search(store.engine, query)  # never a database error
-    assert results.total == len(results.hits)
-    if typed in ("-parsing", "parsing*", '"unbalanced phrase', "\x00parsing"):
-        assert results.total in (0, 1)
+    for typed in GARBAGE:  # one store for all: a migration per case would be slow
+        try:
+            query = parse_query(typed)
+        except QueryError as exc:
+            assert str(exc), typed  # a message for the user
+            continue
+        results = search(store.engine, query)  # never a database error
+        assert results.total == len(results.hits) <= 1, typed
 
 
 def test_garbage_that_still_names_words_finds_them(store):
