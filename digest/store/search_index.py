@@ -219,7 +219,8 @@ def _search_pg(connection, query: SearchQuery, filters: dict, limit: int, offset
 def _browse(connection, filters: dict, limit: int, offset: int):
     """Without a query: the listed papers of the category / day, newest digest first."""
     where = _filters(connection.dialect.name, "d.paper_id", filters)
-    newest = "(SELECT max(i.digest_date) FROM digest_items AS i WHERE i.paper_id = d.paper_id)"
+    # One pass over the listings, not a look-up per paper (which PostgreSQL may plan badly).
+    newest = "(SELECT paper_id, max(digest_date) AS day FROM digest_items GROUP BY paper_id) AS n"
     total = connection.execute(
         _bind(f"SELECT count(*) FROM search_documents AS d WHERE {where}", filters),
         _params(filters),
@@ -227,8 +228,8 @@ def _browse(connection, filters: dict, limit: int, offset: int):
     rows = connection.execute(
         _bind(
             f"""SELECT d.paper_id, 0.0 AS score, d.title, d.abstract, '' AS summaries,
-                '' AS reviews FROM search_documents AS d WHERE {where}
-            ORDER BY {newest} DESC, d.paper_id LIMIT :limit OFFSET :offset""",
+                '' AS reviews FROM search_documents AS d JOIN {newest} ON n.paper_id = d.paper_id
+            WHERE {where} ORDER BY n.day DESC, d.paper_id LIMIT :limit OFFSET :offset""",
             filters,
         ),
         _params(filters, limit=limit, offset=offset),
