@@ -102,6 +102,29 @@ def test_bad_parameters_are_4xx_pages_never_500(served):
     assert http.post("/search", data={"q": "x"}).status_code == 405
 
 
+def test_random_parameters_never_give_a_500(sqlite_url):
+    """Fuzz: any text in any parameter is a page (200) or a 4xx page, never a server error."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=60)
+    numbers = st.one_of(st.integers(-(10**20), 10**20).map(str), text)
+    fill_store(sqlite_url).engine.dispose()
+    with digest_serve(sqlite_url) as server, httpx.Client(base_url=server.url, timeout=10) as http:
+
+        @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+        @given(q=text, category=text, day=text, page=numbers, limit=numbers, for_you=text)
+        def check(q, category, day, page, limit, for_you):
+            params = {"q": q, "category": category, "date": day, "page": page}
+            params.update(limit=limit, for_you=for_you)
+            response = http.get("/search", params=params)
+            assert response.status_code in (200, 400), (params, response.status_code)
+            assert "text/html" in response.headers["content-type"]
+
+        check()
+        assert server.proc.poll() is None
+
+
 def test_the_view_cannot_write_the_store(served, db_url):
     store, server, _ = served
     # The server's connections are read-only: try through the same settings it uses.
