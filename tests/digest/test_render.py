@@ -264,7 +264,7 @@ def test_feed_parses_with_one_entry_per_day(tmp_path: Path) -> None:
     assert feed.entries[0].id == "https://example.org/digest/digest-2024-01-15.html"
     assert "The unparsed one" in feed.entries[0].summary
     assert "<script" not in feed.entries[0].summary
-    assert "$O(n^2)$" in feed.entries[0].summary
+    assert "O(n²)" in feed.entries[0].summary  # LaTeX as text, as on the page
 
 
 def test_feed_without_site_url_uses_stable_tag_ids(tmp_path: Path) -> None:
@@ -318,3 +318,11 @@ def test_rendering_is_deterministic(tmp_path: Path) -> None:
     assert outputs[0] == outputs[1]
     again = write_outputs(tmp_path / "a", make_digest(), [make_digest()])
     assert [p.read_bytes() for p in again] == outputs[0]
+
+
+def test_feed_shows_latex_as_text(tmp_path: Path) -> None:
+    write_outputs(tmp_path, make_digest(), [make_digest()])
+    feed = feedparser.parse((tmp_path / "feed.xml").read_bytes())
+    summary = feed.entries[0].summary
+    assert "and O(n²)" in summary and "x² &lt; y" in summary
+    assert "$O(n^2)$" not in summary
