@@ -1,6 +1,7 @@
 """Full-text search over every stored paper: one search document per paper (title, authors,
-abstract, every stored summary, every review's text), kept in step by triggers on papers,
-summaries and reviews, and built here for the papers already stored.
+abstract, every stored summary, the prose of every review that validated: what the public
+pages show, never a raw reply), kept in step by triggers on papers, summaries and reviews, and
+built here for the papers already stored.
 
 SQLite: `search_documents` (a plain table keyed by paper) feeds the FTS5 table `search_fts`
 (external content, porter stemming, diacritics folded). PostgreSQL: `search_documents` carries a
@@ -61,18 +62,15 @@ _FTS_COLUMNS = "title, authors, abstract, summaries, reviews"
 def _sqlite_document(where: str) -> str:
     """The search documents of the papers matching `where` (on `p`), as a SELECT."""
     review_keys = ", ".join(f"'$.{key}'" for key in _REVIEW_LISTS)
-    # A review that validated contributes its prose (not scores or the decision); one that did
-    # not is shown on the page as received, so its raw reply is indexed. The JSON is written
-    # by SQLAlchemy and always valid, but a trigger must never fail a write: hence json_valid.
+    # A review that validated contributes its prose (not scores or the decision). One that did
+    # not is left out: the public page does not show raw replies, and a hit must be there. The
+    # JSON is written by SQLAlchemy and always valid, but a trigger must never fail a write.
     reviews = f"""
         SELECT r.id AS rid, j.id AS part, j.value AS text
         FROM reviews AS r,
              json_tree(CASE WHEN json_valid(r.review) THEN r.review ELSE 'null' END) AS j
         WHERE r.paper_id = p.arxiv_id AND r.parse_status != 'failed' AND j.type = 'text'
           AND ((j.path = '$' AND j.key = 'summary') OR j.path IN ({review_keys}))
-        UNION ALL
-        SELECT r.id, 0, r.raw_text FROM reviews AS r
-        WHERE r.paper_id = p.arxiv_id AND r.parse_status = 'failed'
         ORDER BY 1, 2"""
     return f"""
         SELECT p.arxiv_id, p.title,
@@ -184,9 +182,6 @@ _PG_REVIEW_TEXT = f"""
                   AND json_typeof(r.review -> f.key) = 'array'
             THEN r.review -> f.key ELSE '[]'::json END) WITH ORDINALITY AS e(value, m)
         WHERE r.paper_id = p.arxiv_id AND r.parse_status <> 'failed'
-        UNION ALL
-        SELECT r.id, 0, 0, r.raw_text FROM reviews AS r
-        WHERE r.paper_id = p.arxiv_id AND r.parse_status = 'failed'
     ) AS x"""
 
 _PG_DOCUMENT = f"""

@@ -100,10 +100,13 @@ def test_the_index_follows_reruns_new_versions_and_redo(store):
     run_id = _publish(store, MONDAY, [paper])
     store.save_review(paper, KEY, None, "failed", "garbled verbatim reply", "bad json", run_id)
     engine = store.engine
-    assert _found(engine, "garbled") == [paper.arxiv_id]  # shown on the page as received
-    # The rerun's review replaces the failed one: the raw reply leaves the index.
+    # A reply that did not validate is not on the public page: not searchable either.
+    assert _found(engine, "garbled") == [] and _found(engine, "original") == [paper.arxiv_id]
+    # The rerun's review replaces the failed one, and its prose is found.
     store.save_review(paper, KEY, _review(strengths=["rigorous proofs"]), "ok", "{}", None, run_id)
-    assert _found(engine, "garbled") == [] and _found(engine, "rigorous") == [paper.arxiv_id]
+    assert _found(engine, "rigorous") == [paper.arxiv_id]
+    with store.engine.connect() as conn:  # one document per paper, whatever was rewritten
+        assert conn.execute(text("SELECT count(*) FROM search_documents")).scalar_one() == 1
     store.save_summary(paper, KEY, "Mentions tokenisers.", run_id)
     store.save_summary(paper, WorkKey("other-model", "p1", "abstract"), "Mentions GPUs.", run_id)
     assert _found(engine, "tokenisers") == _found(engine, "gpus") == [paper.arxiv_id]
