@@ -165,3 +165,44 @@ def test_a_failing_embeddings_endpoint_leaves_the_ranking_to_tf_idf(caplog):
     assert "embeddings unavailable" in caplog.text and "HTTP 503" in caplog.text
     with pytest.raises(EmbeddingError, match="cannot|ConnectError"):
         embed_texts(EmbeddingsConfig("http://127.0.0.1:9/v1", "m", timeout_s=2), ["x"])
+
+
+def test_a_run_ranks_with_embeddings_from_the_endpoint(tmp_path, sqlite_url):
+    from digest.pipeline import run_digest
+    from digest.store.database import open_database
+    from digest.store.digest_store import DigestStore
+    from tests.digest.fault_server import FaultServer
+    from tests.digest.test_pipeline import DAY, options, write_papers
+
+    titles = ["Graph networks for molecules", "Streaming speech recognition", "Sparse attention"]
+    source = write_papers(tmp_path / "three.jsonl", titles)
+    profile = ReaderProfile(tags={"speech": _liked_speech()})
+    with _Embeddings() as server, FaultServer() as stub:
+        config = EmbeddingsConfig(server.url, "embedder")
+        run = options(tmp_path, sqlite_url, stub.base_url, source=str(source), profile=profile)
+        run.embeddings, run.max_papers = config, 1
+        report = run_digest(run)
+    assert (report.papers_done, report.papers_below_cut) == (1, 2)
+    assert len(server.bodies) == 1  # 3 papers and 3 tagged ones: one batch
+    digest = DigestStore(open_database(sqlite_url)).load_digest(DAY)
+    assert digest is not None
+    (mine,) = digest.for_you
+    assert mine.paper.title == "Streaming speech recognition"
+    assert "close to your papers (embedding similarity 1.00)" in mine.for_you
+
+
+def test_the_embeddings_options_are_checked_at_start(tmp_path, sqlite_url):
+    from typer.testing import CliRunner
+
+    from nightshift.cli import app
+
+    base = ["digest", "run", "--source", "examples/papers-2026-03-sample.jsonl", "--db"]
+    base += [sqlite_url, "--out", str(tmp_path / "out"), "--endpoint", "http://127.0.0.1:9/v1"]
+    base += ["--model", "m"]
+    for extra, problem in [
+        (["--embeddings-model", "e"], "--embeddings-model needs --embeddings-endpoint"),
+        (["--embeddings-endpoint", "127.0.0.1:8000"], "must be an http(s) URL"),
+        (["--embeddings-endpoint", "http://127.0.0.1:8000/v1"], "needs --embeddings-model"),
+    ]:
+        result = CliRunner().invoke(app, [*base, *extra])
+        assert result.exit_code == 2 and problem in result.output, result.output
