@@ -7,6 +7,7 @@ Without a profile nothing changes (test_nightly_selection.py, test_pipeline.py).
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from datetime import date
 
 from digest.pipeline import run_digest
@@ -104,12 +105,15 @@ def test_model_calls_go_to_the_best_ranked_first_and_max_papers_takes_the_top(tm
         again = run_digest(run)
         assert (again.calls, again.papers_below_cut, again.status) == (0, 2, "succeeded")
         assert len(stub.requests) == 6
+        # --redo summarises one paper from below the cut, on request.
+        redo = run_digest(replace(run, redo=("2603.00004",)))
+        assert (redo.calls, redo.papers_done, redo.papers_below_cut) == (2, 4, 1)
     store = DigestStore(open_database(sqlite_url))
     digest = store.load_digest(DAY)
     assert digest is not None
     assert [e.paper.title for e in digest.for_you] == [titles[4], titles[0]]
-    assert [e.paper.arxiv_id for e in digest.rest] == ["2603.00002"]
-    assert sorted(e.paper.arxiv_id for e in digest.below_cut) == ["2603.00003", "2603.00004"]
+    assert [e.paper.arxiv_id for e in digest.rest] == ["2603.00002", "2603.00004"]
+    assert [e.paper.arxiv_id for e in digest.below_cut] == ["2603.00003"]
     assert digest.failed == []
     markdown = (tmp_path / "out" / markdown_page.file_name(DAY)).read_text()
     assert markdown.index("## For you") < markdown.index("## Other papers")
