@@ -14,6 +14,7 @@ from datetime import date
 from sqlalchemy import Date, Engine, bindparam, inspect, select, text
 from sqlalchemy.exc import DBAPIError
 
+from digest.latex_text import latex_to_text
 from digest.paper import Paper
 from digest.render import html_page
 from digest.search_query import QueryError, SearchQuery
@@ -282,7 +283,7 @@ def _entry_date(days: list[tuple[date, str]]) -> date:
 
 def _best_snippet(row, browse: bool) -> Snippet:
     if browse:
-        words = row["abstract"].split()
+        words = latex_to_text(row["abstract"]).split()
         shown = " ".join(words[: SNIPPET_WORDS * 2])
         return [(shown + (" …" if len(words) > SNIPPET_WORDS * 2 else ""), False)]
     # The field where most of the query matched (a phrase in a review beats one of its words
@@ -292,10 +293,11 @@ def _best_snippet(row, browse: bool) -> Snippet:
 
 
 def marked(value: str | None) -> Snippet:
-    """Split text carrying OPEN/CLOSE markers into (piece, matched) pairs."""
+    """Split text carrying OPEN/CLOSE markers into (piece, matched) pairs, its LaTeX shown as the
+    pages show it (`$\\alpha$` as α; a marker inside a command just ends the command)."""
     pieces: Snippet = []
     # Fields are joined by newlines in the index; a snippet reads as one line.
-    for i, part in enumerate((value or "").replace("\n", " ").split(OPEN)):
+    for i, part in enumerate(latex_to_text((value or "").replace("\n", " ")).split(OPEN)):
         inside, _, after = part.partition(CLOSE) if i else ("", "", part)
         if inside:
             pieces.append((inside, True))

@@ -86,6 +86,15 @@ def test_every_field_is_indexed_and_ranked(store):
     assert hit.score > 0 or engine.dialect.name == "sqlite"  # bm25 is ~0 on a tiny corpus
 
 
+def test_snippets_show_latex_as_the_pages_do(store):
+    _publish(
+        store, MONDAY, [_paper(1, "Bounds for $\\alpha$-divergences", "We bound $x^2$ tightly.")]
+    )
+    (hit,) = search(store.engine, parse_query("tightly")).hits
+    assert "bound x² tightly" in "".join(text for text, _ in hit.snippet)
+    assert "".join(text for text, _ in hit.title) == "Bounds for α-divergences"
+
+
 def test_phrases_need_their_words_in_order(store):
     _publish(store, MONDAY, [_paper(1, "Knowledge graphs for QA", "Text.")])
     engine = store.engine
