@@ -175,7 +175,8 @@ def _print(results: SearchResults, base: str) -> None:
     shown = len(results.hits)
     typer.echo(f"{results.total} paper{'s' if results.total != 1 else ''} found", err=True)
     for hit in results.hits:
-        typer.echo(f"{hit.digest_date}  {hit.paper.arxiv_id}  {hit.paper.title}")
+        title = "".join(text for text, _ in hit.title)  # its LaTeX as the pages show it
+        typer.echo(f"{hit.digest_date}  {hit.paper.arxiv_id}  {title}")
         typer.echo(f"    {', '.join(hit.paper.authors)} · {', '.join(hit.paper.categories)}")
         typer.echo(f"    {hit.entry_link(base)}")
         typer.echo(f"    {_snippet(hit)}")
