@@ -16,6 +16,7 @@ from functools import cache
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from digest.entries import DailyDigest, DigestEntry
+from digest.latex_text import latex_to_text
 from digest.render import html_page
 
 SLACK_MAX_PAPERS = 20  # a chat message is a teaser; the page and the email have everything
@@ -40,6 +41,7 @@ def _environment() -> Environment:
         keep_trailing_newline=True,
     )
     env.filters["wrap"] = lambda text: "\n  ".join(textwrap.wrap(" ".join(text.split()), 76))
+    env.filters["tex"] = latex_to_text  # LaTeX as text, as the page shows it
     return env
 
 
@@ -100,7 +102,7 @@ def slack_payload(digest: DailyDigest, site_url: str | None) -> dict:
 
 
 def _slack_entry(entry: DigestEntry) -> str:
-    title = f"<{entry.paper.abs_url}|{_slack_escape(entry.paper.title)}>"
+    title = f"<{entry.paper.abs_url}|{_slack_escape(latex_to_text(entry.paper.title))}>"
     if entry.review:
         title += f" ({entry.review.overall}/10)"
     parts = [f"• {title}"]
@@ -108,7 +110,8 @@ def _slack_entry(entry: DigestEntry) -> str:
         parts.append(f"_For you: {_slack_escape('; '.join(entry.for_you))}_")
     summary = entry.summary or (entry.review.summary if entry.review else None)
     if summary:
-        parts.append(_slack_escape(textwrap.shorten(summary, SLACK_SUMMARY_CHARS, placeholder="…")))
+        short = textwrap.shorten(latex_to_text(summary), SLACK_SUMMARY_CHARS, placeholder="…")
+        parts.append(_slack_escape(short))
     return "\n".join(parts)
 
 
