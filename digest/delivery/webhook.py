@@ -36,6 +36,8 @@ def post_webhook(url: str, payload: dict, timeout_s: float = 30.0) -> None:
     try:
         response = httpx.post(url, json=payload, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        raise DeliveryError(f"{where}: {type(exc).__name__}: {exc}") from None
+        # Some errors quote the URL; the secret must not reach the log or the store.
+        said = str(exc).replace(url, target_name(url))
+        raise DeliveryError(f"{where}: {type(exc).__name__}: {said}") from None
     if not 200 <= response.status_code < 300:
         raise DeliveryError(f"{where}: HTTP {response.status_code}: {response.text[:200]}")
