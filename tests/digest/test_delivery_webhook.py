@@ -131,3 +131,16 @@ def test_feed_entries_carry_the_summaries_for_you_first(tmp_path, sqlite_url):
     assert "<em>For you: mentions “tokenizer-free”</em>" in items[0]
     for title in TITLES[1:]:  # LaTeX shown as text, as on the page
         assert f"<p>{latex_to_text(summary_for(title))}</p>" in html
+
+
+def test_an_unreachable_webhook_fails_without_naming_its_secret(tmp_path, sqlite_url):
+    url = f"http://127.0.0.1:9{SECRET_PATH}"  # port 9 (discard): nothing listens
+    with FaultServer() as stub:
+        config = delivery_config([], url, None)
+        report = run_digest(options(tmp_path, sqlite_url, stub.base_url, delivery=config))
+    assert report.exit_code == 1 and report.status == "succeeded"
+    (line,) = report.deliveries
+    assert line.startswith("delivery by webhook to 127.0.0.1 #") and ": failed: " in line
+    assert "ConnectError" in line and SECRET_PATH not in line
+    (row,) = DigestStore(open_database(sqlite_url)).deliveries(DAY)
+    assert row.status == "failed" and SECRET_PATH not in (row.error or "") + row.target
