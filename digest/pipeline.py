@@ -449,7 +449,8 @@ def _add_items(store: DigestStore, options: RunOptions, papers: list[Paper]) -> 
     papers = [p for p in papers if p.arxiv_id not in listed]
     ids = {p.arxiv_id for p in papers}
     embed = partial(embed_texts, options.embeddings) if options.embeddings else None
-    background = store.recent_paper_texts(RANKING_BACKGROUND, ids)
+    # Liked papers come from the store: they must not also be their own tag's negatives.
+    background = store.recent_paper_texts(RANKING_BACKGROUND, ids | options.profile.tagged_ids())
     ranked = rank_papers(papers, options.profile, background, embed)
     room = None
     if options.max_papers is not None:

@@ -194,3 +194,40 @@ def test_each_run_reads_the_profile_file_again(tmp_path, sqlite_url):
         assert night(DAY + timedelta(days=3)) == []
     unranked = store.items(DAY + timedelta(days=3))
     assert [item.rank_score for item, _ in unranked] == [None] * 4
+
+
+def test_liked_papers_are_not_negatives_of_their_own_tag(tmp_path, sqlite_url, monkeypatch):
+    """A liked paper comes from the store, whose recent papers are the classifiers' background
+    (negatives): it must be left out of it, and tonight's papers too (they are ranked)."""
+    import digest.pipeline as pipeline
+
+    seen: list[list[str]] = []
+    real = pipeline.rank_papers
+
+    def spy(papers, profile, background, embed):
+        seen.append(background)
+        return real(papers, profile, background, embed)
+
+    monkeypatch.setattr(pipeline, "rank_papers", spy)
+    with FaultServer() as stub:
+        first = options(tmp_path, sqlite_url, stub.base_url)
+        run_digest(first)  # stores 2603.00001-4 without a profile
+        store = DigestStore(open_database(sqlite_url))
+        liked = store.papers(["2603.00002"])["2603.00002"]
+        profile = ReaderProfile(
+            tags={"liked": [TaggedPaper(liked.title, liked.abstract, "2603.00002")]}
+        )
+        later = write_papers(tmp_path / "later.jsonl", ["Tokenizer-free models, again"], first=9)
+        run_digest(
+            options(
+                tmp_path,
+                sqlite_url,
+                stub.base_url,
+                digest_date=date(2026, 3, 11),
+                source=str(later),
+                profile=profile,
+            )
+        )
+    (background,) = seen
+    titles = {text.split(". ")[0] for text in background}
+    assert titles == {TITLES[0], TITLES[2], TITLES[3]}  # not the liked one, not tonight's
