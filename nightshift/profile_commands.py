@@ -119,9 +119,10 @@ def _stored(paper_ids: list[str], db: str | None) -> list:
     from digest.store.digest_store import DigestStore
 
     try:
-        engine = open_database(db)
+        # Only read: a mistyped --db must not leave a new empty database behind.
+        engine = open_database(db, create=False)
     except StoreError as exc:
-        raise fail(str(exc)) from None
+        raise fail(f"--like needs the digest store: {exc}") from None
     migrate.upgrade(engine)
     found = DigestStore(engine).papers(paper_ids)
     missing = [pid for pid in paper_ids if pid not in found]

@@ -189,6 +189,10 @@ def test_the_profile_command_adds_shows_and_refuses_bad_input(tmp_path, db_url):
     assert "the profile has no author 'Nobody'" in refused("remove", "--author", "Nobody")
     assert "the profile has no tag 'nope'" in refused("remove", "--tag", "nope")
     assert "nothing to add" in refused("add")
+    missing_db = f"sqlite:///{tmp_path / 'no-such.db'}"
+    out = refused("add", "--like", "2603.00007", "--db", missing_db)
+    assert "--like needs the digest store: no database file at" in out
+    assert not (tmp_path / "no-such.db").exists()
 
     removed = runner.invoke(app, ["digest", "profile", "remove", *common, "--tag", "library"])
     assert removed.exit_code == 0, removed.output
