@@ -686,7 +686,7 @@ def digest_deliver(
     config = _delivery(email_to, webhook_url, site_url)
     if config is None:
         raise _fail("nothing to deliver to: give --email-to and/or --webhook-url", EXIT_USAGE)
-    engine = _database(db)
+    engine = _database(db, create=False)  # it sends what a run stored: no new empty database
 
     def send() -> list:
         migrate.upgrade(engine)

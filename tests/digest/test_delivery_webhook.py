@@ -106,6 +106,11 @@ def test_a_bad_webhook_url_is_one_line_and_exit_2(tmp_path, sqlite_url, monkeypa
     monkeypatch.delenv("NIGHTSHIFT_DIGEST_WEBHOOK_URL")
     nothing = CliRunner().invoke(app, ["digest", "deliver", "--db", sqlite_url])
     assert nothing.exit_code == 2 and "nothing to deliver to" in nothing.output
+    no_store = CliRunner().invoke(
+        app, ["digest", "deliver", "--db", sqlite_url, "--webhook-url", "http://127.0.0.1:9/x"]
+    )
+    assert no_store.exit_code == 2 and "no database file at" in no_store.output
+    assert not (tmp_path / "digest.db").exists()
 
 
 def test_feed_entries_carry_the_summaries_for_you_first(tmp_path, sqlite_url):
