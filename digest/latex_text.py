@@ -100,7 +100,8 @@ def _script(match: re.Match[str]) -> str:
     table, ok = (_SUPER, _SUPER_OK) if mark == "^" else (_SUB, _SUB_OK)
     if inner and set(inner) <= ok:
         return inner.translate(table)
-    return f"{mark}{inner}" if len(inner) == 1 else f"{mark}({inner})"
+    # V_{0.5} as V_0.5: parentheses only where the script has several words.
+    return f"{mark}({inner})" if " " in inner.strip() else f"{mark}{inner.strip()}"
 
 
 def _prose(text: str) -> str:
