@@ -85,6 +85,11 @@ class Mailbox:
         return AuthResult(success=(login, password) == (USER, PASSWORD), handled=False)
 
 
+# aiosmtpd's Controller waits this long for its thread's server to answer. Its default (5 s) is
+# short on a loaded 2-core machine: one unexplained failure of this file was seen under load.
+READY_S = 30.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -107,6 +112,7 @@ def smtp_server(tmp_path):
         require_starttls=True,
         auth_required=True,
         authenticator=mailbox.authenticate,
+        ready_timeout=READY_S,
     )
     controller.start()
     env = {
@@ -214,7 +220,9 @@ def test_a_server_without_starttls_is_refused_before_the_password(tmp_path, sqli
                                                                   monkeypatch):  # fmt: skip
     mailbox = Mailbox()
     port = _free_port()
-    controller = Controller(mailbox, hostname="127.0.0.1", port=port)  # no TLS offered
+    controller = Controller(
+        mailbox, hostname="127.0.0.1", port=port, ready_timeout=READY_S
+    )  # no TLS
     controller.start()
     try:
         monkeypatch.setenv("NIGHTSHIFT_SMTP_HOST", "127.0.0.1")
