@@ -152,7 +152,9 @@ def test_an_unparsed_review_fails_the_paper_and_a_rerun_asks_again(tmp_path, db_
     assert entry.review_parse_status == "failed"
     assert "cannot produce a structured review" in entry.review_raw  # kept for reading
     html = (tmp_path / "out" / f"digest-{DAY}.html").read_text()
-    assert html.index("Not processed") < html.index("cannot produce a structured review")
+    # Listed under "Not processed"; the raw reply is for the operator, not the public page.
+    assert html.index("Not processed") < html.index('<article id="2603.00002"')
+    assert "<pre>" not in html and "unparsed" not in html
 
     with FaultServer() as healthy:
         again = run_digest(options(tmp_path, db_url, healthy.base_url))
