@@ -12,7 +12,9 @@ from digest.review import InputBasis
 
 # .2: review schema length bounds, frequency penalty. 2026-12-05: issue 19 (the decision is no
 # longer asked, list items bounded to phrases, the summary asked shorter and with a penalty).
-PROMPT_VERSION = "2026-12-05.2"  # .2: no pattern on the review summary
+# .2: no pattern on the review summary; .3: no digits in the summary task (the default model
+# copied "3 or 4 ... 90 words" into its summaries, which the faithfulness check then flagged).
+PROMPT_VERSION = "2026-12-05.3"
 
 SUMMARY_MAX_TOKENS = 256
 REVIEW_MAX_TOKENS = 768
@@ -31,10 +33,10 @@ SYSTEM = (
 )
 
 SUMMARY_TASK = (
-    "Task: summarize the paper above in 3 or 4 short plain sentences (at most 90 words) for a "
-    "technical reader outside the field: the problem, the approach, the main result, and why it "
-    "matters. Use only numbers and names that appear in the text above. Plain prose only: no "
-    "lists, no headings, no preamble."
+    "Task: summarize the paper above in three or four short plain sentences for a technical "
+    "reader outside the field: the problem, the approach, the main result, and why it matters. "
+    "Use only numbers and names that appear in the text above. Plain prose only: no lists, no "
+    "headings, no preamble."
 )
 
 REVIEW_TASK = """Task: review the paper above. Reply with one JSON object and nothing else, with \
