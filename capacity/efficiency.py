@@ -58,9 +58,9 @@ class Efficiency:
     memory: float  # of the datasheet memory bandwidth
     t_step: float  # s per step outside the kernels, with CUDA graphs
     # The share of the one-way NVLink bandwidth a tensor-parallel all-reduce reaches on this
-    # generation's NVLink, where it differs from the table's shared `link`: Hopper's NVSwitch
-    # reduces in the switch (NVLink SHARP, NCCL's NVLS algorithm: each GPU sends its data once
-    # instead of a ring's 2 (tp - 1) / tp), which NVLink 3 on the A100 cannot. None: `link`.
+    # generation's NVLink, where it differs from the table's shared `link` (the link's own
+    # latency and protocol overheads differ by generation). None: `link`. How much data the
+    # all-reduce moves per GPU (a ring's, or less where the switch reduces) is `link_traffic`.
     link: float | None = None
 
 
@@ -125,6 +125,7 @@ class EfficiencyTable:
         gemm = eff.gemm * (self.fp8_gemm if low_precision else 1.0)
         nvlink = gpu.interconnect.lower().replace(" ", "").startswith(NVLINK_PREFIX)
         one_way = (gpu.interconnect_gbps or 0) * 1e9 / 2  # catalogue: both directions
+        share = nvlink_share if nvlink else self.link_pcie
         return PerfCoefficients(
             k_compute=1.0 / (gemm * peak),
             k_memory=1.0 / (eff.memory * gpu.bandwidth_gbps * 1e9),
@@ -137,9 +138,7 @@ class EfficiencyTable:
             t_layer=self.t_layer * fixed + (self.t_layer_eager if eager else 0.0),
             roofline_p=self.roofline_p,
             t_allreduce=allreduce_latency(self, nvlink, tp),
-            k_link=1.0 / ((nvlink_share if nvlink else self.link_pcie) * one_way)
-            if tp > 1 and one_way
-            else 0.0,
+            k_link=link_traffic(gpu, tp) / (share * one_way) if tp > 1 and one_way else 0.0,
         )
 
     def to_json(self) -> dict:
@@ -151,6 +150,23 @@ def engine_factor(factors: dict[str, float], engine: str, generation: str) -> fl
     else 1 (vLLM's own)."""
     key = engine_key(engine)
     return factors.get(f"{key}/{generation}", factors.get(key, 1.0))
+
+
+# Interconnects whose switches reduce (NVLink SHARP on the third-generation NVSwitch of HGX
+# H100/H200 boards, NCCL's NVLS algorithm, chosen by NCCL's tuner for large messages there).
+IN_SWITCH_REDUCTION = ("nvlink4", "nvlink5")
+
+
+def link_traffic(gpu: GpuSpec, tp: int) -> float:
+    """The time of a tp-group all-reduce relative to a ring's, at the same link speed. A ring sends
+    and receives 2 (tp - 1) / tp of the message per GPU (what ModelCosts counts). Where the switch
+    reduces, each GPU sends its data into the switch once and reads the reduced result once:
+    about the message itself, tp / (2 (tp - 1)) of the ring's bytes (the same at tp 2, 4/7 at
+    tp 8). The A100's NVLink 3 switches cannot reduce, nor can PCIe."""
+    interconnect = gpu.interconnect.lower().replace(" ", "")
+    if tp <= 1 or not interconnect.startswith(IN_SWITCH_REDUCTION):
+        return 1.0
+    return tp / (2 * (tp - 1))
 
 
 def allreduce_latency(table: EfficiencyTable, nvlink: bool, tp: int) -> float:
@@ -288,6 +304,17 @@ def parameter_names(
         + [f"engine:{e}" for e in others if e.split("/")[0] != VLLM_V0]
         + [f"engine_overhead:{e}" for e in others]
     )
+
+
+def is_parameter(name: str) -> bool:
+    """Whether a table has a parameter of this name ("hopper.link", "t_layer",
+    "engine:tensorrt-llm/hopper"), whatever the cases."""
+    if name.startswith(("engine:", "engine_overhead:")):
+        return bool(name.partition(":")[2])
+    if "." in name:
+        generation, _, key = name.partition(".")
+        return generation in GENERATIONS and key in _BOUNDS
+    return name in _SHARED_BOUNDS
 
 
 def bounds_of(name: str) -> tuple[float, float]:

@@ -488,6 +488,13 @@ def validate(
         int | None,
         typer.Option(help="--published: cases simulated at once (default: one per CPU).", min=1),
     ] = None,
+    fit_only: Annotated[
+        str | None,
+        typer.Option(
+            help="--fit: only these parameters (comma-separated, e.g. hopper.link,link), the "
+            "others kept at --table's values."
+        ),
+    ] = None,
     model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
     num_kv_blocks: Annotated[int, typer.Option()] = 1200,
     max_num_seqs: Annotated[int, typer.Option()] = 16,
@@ -509,7 +516,13 @@ def validate(
     if not published and (
         given := [
             o
-            for o, v in (("--cases", cases), ("--fit", fit), ("--table", table), ("--jobs", jobs))
+            for o, v in (
+                ("--cases", cases),
+                ("--fit", fit),
+                ("--table", table),
+                ("--jobs", jobs),
+                ("--fit-only", fit_only),
+            )
             if v
         ]
     ):
@@ -517,7 +530,12 @@ def validate(
     if published:
         from nightshift.capacity_published_command import validate_published
 
-        return validate_published(cases, fit, table, out, jobs)
+        if fit_only is not None and fit is None:
+            raise fail("--fit-only needs --fit")
+        only = tuple(n.strip() for n in (fit_only or "").split(",") if n.strip())
+        if fit_only is not None and not only:
+            raise fail("--fit-only: no parameter names given")
+        return validate_published(cases, fit, table, out, jobs, only)
     if train is None or test is None:
         raise fail("validate needs --train and --test traces (or --published)")
     _outputs({"-o": out}, {"--workdir": workdir})

@@ -36,8 +36,9 @@ def validate_published(
     table_path: Path | None,
     out: Path,
     jobs: int | None = None,
+    only: tuple[str, ...] = (),
 ) -> None:
-    from capacity.efficiency import DEFAULTS, load_table, save_table
+    from capacity.efficiency import DEFAULTS, is_parameter, load_table, save_table
     from capacity.published import (
         PUBLISHED_PATH,
         build_run,
@@ -51,6 +52,8 @@ def validate_published(
     _outputs({"-o": out, **({"--fit": fit_out} if fit_out else {})})
     if fit_out is not None and fit_out.resolve() == out.resolve():
         raise fail(f"--fit {fit_out} is also -o: the validation would replace the fitted table")
+    if unknown := [n for n in only if not is_parameter(n)]:
+        raise fail(f"--fit-only: no such parameter: {', '.join(unknown)}")
     path = cases_path or PUBLISHED_PATH
     with user_errors():
         cases, skipped = load_cases(path)
@@ -77,7 +80,10 @@ def validate_published(
             )
         # A refit may start from an earlier fit (--table; fitted on the same training cases,
         # so nothing held out leaks in): Nelder-Mead then begins near its minimum.
-        table = fit_table(runs, table if table_path else DEFAULTS).table
+        try:
+            table = fit_table(runs, table if table_path else DEFAULTS, only=only).table
+        except ValueError as exc:
+            raise fail(f"--fit-only: {exc}" if only else str(exc)) from None
         save_table(table, fit_out)
         runs = [build_run(run.case, table) if timed_schedule(run.case) else run for run in runs]
     rows = []

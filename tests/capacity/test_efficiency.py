@@ -11,6 +11,7 @@ from capacity.efficiency import (
     DEFAULTS,
     engine_key,
     get,
+    link_traffic,
     load_table,
     parameter_names,
     save_table,
@@ -115,12 +116,29 @@ def test_an_engine_on_one_generation_has_its_own_factor():
     assert "engine:vllm-v0/ampere" not in names and not any("vllm/ada" in n for n in names)
 
 
+def test_the_nvswitch_reduces_so_hopper_moves_less_than_a_ring():
+    """An all-reduce on HGX H100/H200 (NVLink 4 through NVSwitch with NVLink SHARP) moves about
+    the message per GPU, a ring 2 (tp - 1) / tp of it: equal at TP 2, 4/7 of the ring's time at
+    TP 8. The A100's NVLink 3 switch and PCIe cannot reduce: ring traffic at every size."""
+    h100, h200, a100, l40s = (find_gpu(n) for n in ("H100", "H200", "A100-80GB", "L40S"))
+    assert link_traffic(h100, 2) == 1.0
+    assert link_traffic(h100, 4) == pytest.approx(4 / 6)
+    assert link_traffic(h200, 8) == pytest.approx(8 / 14)
+    assert link_traffic(a100, 8) == link_traffic(l40s, 8) == 1.0
+    ring = TABLE.coefficients(a100, "bf16", tp=8).k_link * a100.interconnect_gbps
+    assert ring == pytest.approx(
+        TABLE.coefficients(a100, "bf16", tp=2).k_link * a100.interconnect_gbps
+    )
+    tp8 = TABLE.coefficients(h100, "bf16", tp=8).k_link
+    assert tp8 == pytest.approx(TABLE.coefficients(h100, "bf16", tp=2).k_link * 8 / 14)
+
+
 def test_a_generation_can_have_its_own_nvlink_share(tmp_path):
     h100, a100 = find_gpu("H100"), find_gpu("A100-80GB")
     shared = TABLE.coefficients(a100, "bf16", tp=4).k_link
     table = with_values(TABLE, {"hopper.link": 0.5})
     assert table.coefficients(h100, "bf16", tp=4).k_link == pytest.approx(
-        1 / (0.5 * h100.interconnect_gbps * 1e9 / 2)
+        link_traffic(h100, 4) / (0.5 * h100.interconnect_gbps * 1e9 / 2)
     )
     assert table.coefficients(a100, "bf16", tp=4).k_link == shared  # ampere: the shared share
     assert get(table, "ampere.link") == table.link and get(table, "hopper.link") == 0.5

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from typer.testing import CliRunner
 
-from capacity.efficiency import DEFAULTS, Efficiency, load_table, with_values
+from capacity.efficiency import DEFAULTS, Efficiency, get, load_table, with_values
 from capacity.gpus import find_gpu
 from capacity.model_specs import load_model_spec
 from capacity.published import (
@@ -350,3 +350,41 @@ def test_an_engine_fitted_per_generation_keeps_a_plain_factor_it_fitted():
     assert means.engines["tensorrt-llm"] == 1.7  # fitted itself (L40S, no vLLM beside it)
     assert means.engine_overheads["tensorrt-llm"] == pytest.approx(0.8)  # the mean of one
     assert _engine_means(table, names[:2]).engines["tensorrt-llm"] == pytest.approx(1.0)
+
+
+def test_a_fit_of_some_parameters_keeps_the_others(tmp_path):
+    """fit_table(only=...): the named terms move to fit, every other keeps the start's value
+    (a model change that touches a few terms is refitted without the full search)."""
+    truth = with_values(DEFAULTS, {"hopper.memory": 0.6})
+    records = [{"input_len": 64, "output_len": 128, "num_requests": 8, "id": f"m{i}"}
+               for i in range(4)]  # fmt: skip
+    cases, _ = load_cases(_write(tmp_path, records))
+    runs = [build_run(c, DEFAULTS) for c in cases]
+    for run in runs:
+        run.case = replace(run.case, value=predict(run, truth))
+    fitted = fit_table(runs, DEFAULTS, rounds=1, only=("hopper.memory",)).table
+    assert get(fitted, "hopper.memory") == pytest.approx(0.6, rel=0.05)
+    for name in ("hopper.gemm", "hopper.t_step", "t_layer", "roofline_p", "fp8_gemm"):
+        assert get(fitted, name) == get(DEFAULTS, name), name
+    with pytest.raises(ValueError, match="not a free parameter of these cases: link_pcie"):
+        fit_table(runs, DEFAULTS, rounds=1, only=("link_pcie",))  # no TP case over PCIe
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--fit-only", "hopper.memory"], "--fit-only needs --fit"),
+        (["--fit", "F", "--fit-only", " , "], "no parameter names"),
+        (["--fit", "F", "--fit-only", "hopper.memroy,volta.gemm"], "hopper.memroy, volta.gemm"),
+    ],
+)
+def test_fit_only_is_checked_before_any_simulation(tmp_path, args, message):
+    path = _write(tmp_path, [{"id": "a"}])
+    args = [str(tmp_path / "eff.json") if a == "F" else a for a in args]
+    result = CliRunner().invoke(
+        app, ["capacity", "validate", "--published", "--cases", str(path), *args,
+              "-o", str(tmp_path / "v.json")],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert not (tmp_path / "v.json").exists()
