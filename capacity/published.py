@@ -567,7 +567,7 @@ def fit_table(
     ids = [r.case.id for r in train]
     basis = f"fitted on {len(ids)} published cases"
     if only:
-        basis += f" ({', '.join(names)} refitted, the rest kept from the start table)"
+        basis += f", {len(names)} of its terms refitted from the start table ({', '.join(names)})"
     table = replace(table, basis=basis, fitted_on=ids)
     test = [r.case.id for r in runs if r.case.held_out]
     return FitResult(table, ids, test, rounds)
