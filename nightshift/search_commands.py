@@ -100,12 +100,13 @@ def digest_serve(
     """A read-only web view of the store: the digests by date, each date's page, search and a
     category filter. Runs until stopped (Ctrl-C, SIGTERM)."""
     from digest.web.read_only_database import make_read_only
-    from digest.web.serve import listen, serve, url_of
+    from digest.web.serve import serve, url_of
     from engine.server.auth import is_loopback
+    from engine.server.listen_socket import listen_socket
 
     engine = make_read_only(open_for_reading(db))
     try:
-        sock = listen(host, port)
+        sock = listen_socket(host, port)
     except OSError as exc:
         raise fail(str(exc)) from None
     if not is_loopback(host):

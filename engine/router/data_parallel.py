@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from engine.cpu_threads import detect_budget
 from engine.router.replica_set import ReplicaSet
 from engine.router.router_config import RouterConfig
-from engine.router.serve_router import check_router_bind, listen, router_server
+from engine.router.serve_router import check_router_bind, router_server
 from engine.server import parent_death
 from engine.server.auth import API_KEY_ENV
+from engine.server.listen_socket import listen_socket
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def check_port_free(port: int) -> None:
     """An engine port in use fails here, in one line, not after the engines' model loads (an
     engine checks again itself, which also covers a port taken in between)."""
     try:
-        listen("127.0.0.1", port).close()
+        listen_socket("127.0.0.1", port).close()
     except OSError as e:
         raise DataParallelError(f"{e} (the engines use the ports after --port)") from None
 
@@ -233,7 +234,7 @@ def serve_data_parallel(
             "in front of them"
         )
     check_router_bind(host, api_key, allow_unauthenticated)
-    sock = listen(host, port)  # first: a port in use fails before any engine starts
+    sock = listen_socket(host, port)  # first: a port in use fails before any engine starts
     try:
         devices = device_groups(device, size, tensor_parallel_size)
         children = engine_children(size, port, engine_args, api_key, devices)

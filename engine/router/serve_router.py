@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
@@ -21,6 +20,7 @@ from engine.router.app import create_router_app
 from engine.router.replica_set import ReplicaSet
 from engine.router.router_config import RouterConfig
 from engine.server.auth import API_KEY_ENV, is_loopback
+from engine.server.listen_socket import listen_socket
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +53,6 @@ def check_not_self(backends: Sequence[str], host: str, port: int) -> None:
                 f"--backend {url} is the router's own address ({host}:{port}): give the "
                 "replicas' URLs, or another --port for the router"
             )
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket; OSError names the address (port in use, bad host) in one line."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as e:
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock
 
 
 class RouterServer(uvicorn.Server):
@@ -114,7 +101,7 @@ def run_router(
     """Runs until SIGTERM/SIGINT."""
     check_router_bind(host, api_key, allow_unauthenticated)
     check_not_self(config.backends, host, port)
-    sock = listen(host, port)
+    sock = listen_socket(host, port)
     backends = ", ".join(config.backends + [f"dns:{n}" for n in config.backend_dns])
     log.info(
         "router on http://%s:%d (%s policy) in front of %s", host, port, config.policy, backends

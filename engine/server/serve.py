@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import threading
 
@@ -26,6 +25,7 @@ from engine.server.batch_config import BatchConfig
 from engine.server.cors import CorsConfig
 from engine.server.errors import error_body
 from engine.server.limits import RequestLimits
+from engine.server.listen_socket import listen_socket
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def serve(
     # own warning about it would only add a line per hostile request to the log.
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     # Bound before the model loads: a port in use or a bad host fails at once, in one line.
-    sock = listen_socket(host, port)
+    sock = listen_socket(host, port, inheritable=True)
     if batch is not None:
         from engine.server.batch_api import check_batch_database
 
@@ -216,17 +216,3 @@ def serve(
         # kill it (exit 143); ignored signals stay ignored through that.
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port; OSError names the address (port in use, bad host)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(2048)
-    except OSError as e:
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
