@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.engine.server.live_server import build_chat_model
 
@@ -282,8 +283,13 @@ def test_ctrl_c_while_the_ranks_load_stops_every_process_quietly(tmp_path):
         workers = _worker_ranks(server)
         assert workers
         os.killpg(server.pid, signal.SIGINT)
-        rest = server.stdout.read()
-        assert server.wait(timeout=60) == 130, rest[-2000:]
+        # Bounded: once (a CI run on 2026-12-05, not reproduced in 6 runs since) the server
+        # went on to serve as if the signal never came, and an unbounded read hung the suite.
+        try:
+            rest = server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server ignored Ctrl-C while its ranks loaded: running after 60 s")
+        assert server.returncode == 130, rest[-2000:]
         assert "engine failed" not in rest and "Traceback" not in rest, rest[-2000:]
         deadline = time.monotonic() + 10
         while any(_alive(p) for p in workers) and time.monotonic() < deadline:
