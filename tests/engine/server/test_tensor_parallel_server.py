@@ -60,7 +60,18 @@ def _serve(
         text=True,
         env=env,
         start_new_session=own_group,
+        preexec_fn=_terminal_signals,
     )
+
+
+def _terminal_signals() -> None:
+    """The child starts with Ctrl-C and SIGTERM at their default actions, as from a shell. An
+    ignored signal stays ignored across exec, and Python then keeps ignoring it: a test earlier
+    in the suite that leaves the pytest process ignoring SIGINT made the server deaf to the
+    Ctrl-C this file sends (two full CI runs, 2026-12-05; reproduced by running this file from
+    a process that ignores SIGINT)."""
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
 
 
 def _wait_healthy(base: str, server: subprocess.Popen) -> None:
@@ -283,8 +294,8 @@ def test_ctrl_c_while_the_ranks_load_stops_every_process_quietly(tmp_path):
         workers = _worker_ranks(server)
         assert workers
         os.killpg(server.pid, signal.SIGINT)
-        # Bounded: once (a CI run on 2026-12-05, not reproduced in 6 runs since) the server
-        # went on to serve as if the signal never came, and an unbounded read hung the suite.
+        # Bounded: a server that never sees the signal (see _terminal_signals) must fail the
+        # test, not hang the suite on an unbounded read.
         try:
             rest = server.communicate(timeout=60)[0]
         except subprocess.TimeoutExpired:
