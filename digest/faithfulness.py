@@ -81,11 +81,17 @@ def _found(token: str, haystack: str) -> bool:
     return singular != needle and singular in haystack
 
 
+def entry_source(entry: DigestEntry) -> str:
+    """What the entry's summary was made from: the metadata and the abstract, or the full text
+    when the summary was made from it (a fact found only in the full text is a fact)."""
+    return paper_source(entry.paper, entry.source_text)
+
+
 def unverified_entries(entries: list[DigestEntry]) -> list[tuple[str, list[str]]]:
-    """(paper id, facts) for each summary with numbers or names its abstract lacks, as the page
+    """(paper id, facts) for each summary with numbers or names its source lacks, as the page
     marks them."""
     found = []
     for entry in entries:
-        if entry.summary and (missing := unsupported(entry.summary, paper_source(entry.paper))):
+        if entry.summary and (missing := unsupported(entry.summary, entry_source(entry))):
             found.append((entry.paper.arxiv_id, missing))
     return found

@@ -62,7 +62,8 @@ def measure(
     entries: Iterable[DigestEntry], summary_finish: dict[str, str | None], sources: dict[str, str]
 ) -> QualityFigures:
     """`summary_finish`: paper id -> finish reason of its last summary call (absent: unknown);
-    `sources`: paper id -> the text the model was given, where it was not the abstract."""
+    `sources`: paper id -> the text the model was given, where it was neither the abstract
+    nor the entry's own `source_text` (the full text the store loads with it)."""
     figures = QualityFigures()
     for entry in entries:
         figures.papers += 1
@@ -94,7 +95,7 @@ def _summary(
     if not summary.rstrip().endswith(_FINISHED):
         figures.summaries_unfinished += 1
         figures._example("unfinished", f"{pid}: ...{summary[-80:]}")
-    missing = unsupported(summary, paper_source(entry.paper, text))
+    missing = unsupported(summary, paper_source(entry.paper, text or entry.source_text))
     if missing:
         figures.summaries_unfaithful += 1
         figures._example("unfaithful", f"{pid}: {', '.join(missing)}")

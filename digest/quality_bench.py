@@ -165,11 +165,8 @@ def measure_store(
     for call in store.calls(run_id):
         if call.kind == "summary" and call.status == "ok":
             finish[call.paper_id] = call.finish_reason  # the last one counts (a retry)
-    sources = {}
-    for entry in digest.entries:
-        if entry.input_basis == "fulltext" and (row := store.fulltext(entry.paper)) is not None:
-            sources[entry.paper.arxiv_id] = row.text or entry.paper.abstract
-    return measure(digest.entries, finish, sources)
+    # A full-text entry carries the text its summary was made from (DigestEntry.source_text).
+    return measure(digest.entries, finish, {})
 
 
 def _print(figures: QualityFigures, echo: Callable[[str], None]) -> None:

@@ -13,9 +13,9 @@ from functools import cache
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from digest.faithfulness import paper_source, unsupported
+from digest.entries import DigestEntry
+from digest.faithfulness import entry_source, unsupported
 from digest.latex_text import latex_to_text
-from digest.paper import Paper
 
 # Display math first so `$$a$$` is not read as two empty inline spans; `\$` is a literal dollar.
 _MATH_RE = re.compile(r"(?<!\\)\$\$.+?(?<!\\)\$\$|(?<!\\)\$(?:\\.|[^$\\])+?\$", re.DOTALL)
@@ -97,10 +97,10 @@ def _finalize_markdown(value: object) -> str:
     return escape_markdown(str(value))
 
 
-def unverified(summary: str, paper: Paper) -> list[str]:
-    """The summary's numbers and names that the paper's title, authors and abstract lack: what
-    a reader of the page cannot check there (digest/faithfulness.py)."""
-    return unsupported(summary, paper_source(paper))
+def unverified(summary: str, entry: DigestEntry) -> list[str]:
+    """The summary's numbers and names that the text it was made from lacks (title, authors,
+    and the abstract or the full text): what a reader cannot check (digest/faithfulness.py)."""
+    return unsupported(summary, entry_source(entry))
 
 
 def _add_filters(env: Environment) -> Environment:

@@ -581,10 +581,20 @@ class DigestStore:
             review_raw=review.raw_text if review else None,
             review_parse_status=review.parse_status if review else None,  # type: ignore[arg-type]
             input_basis=key.input_basis,
+            source_text=self._source_text(summary, key),
             error=item.error,
             rank_score=item.rank_score,
             for_you=list(item.for_you or []),
         )
+
+    def _source_text(self, summary: SummaryRow | None, key: WorkKey) -> str | None:
+        """The full text a full-text summary was made from: of the paper version it was made
+        for (a newer version's text is not what the model read); None for the abstract."""
+        if summary is None or key.input_basis != "fulltext":
+            return None
+        with self.session() as s:
+            row = s.get(FullTextRow, (summary.paper_id, summary.paper_version))
+        return row.text if row is not None else None
 
     def _result(
         self, table: type[SummaryRow] | type[ReviewRow], paper_id: str, key: WorkKey

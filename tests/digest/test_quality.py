@@ -8,6 +8,7 @@ import json
 from datetime import date
 
 import pytest
+from bs4 import BeautifulSoup
 
 from digest.entries import DigestEntry
 from digest.faithfulness import checkable_tokens, paper_source, unsupported
@@ -170,3 +171,46 @@ def test_measure_only_counts_a_store_as_it_was_written(tmp_path):
     alone = QualityBenchConfig(work_dir=str(tmp_path / "missing"), measure_only=True)
     with pytest.raises(ValueError, match="is not there"):
         run_quality_bench(alone, echo=lambda _: None)
+
+
+def test_a_full_text_summary_is_checked_against_the_full_text(tmp_path, db_url):
+    """Issue 19: the check read the abstract even for a summary made from the full text, so a
+    fact from the full text was marked unverified. It reads the text the model was given: the
+    full text as truncated for the prompt (a fact past the cut is not in it)."""
+    from tests.digest.sources.scripted_server import Reply, ScriptedServer
+
+    filler = "The method is described in detail below. " * 10
+    html = (
+        "<html><body><article><p>Our model reaches 87.5% on SuperGLUE.</p>"
+        f"<p>{filler}</p><p>Later sections compare it with GPT-7.</p></article></body></html>"
+    )
+    faults = [
+        Fault("text", text="It reaches 87.5% on SuperGLUE.", match=TITLES[0]),
+        Fault("text", text="It reaches 87.5% on SuperGLUE and beats GPT-7.", match=TITLES[1]),
+    ]
+    with ScriptedServer() as arxiv, FaultServer(faults=faults) as stub:
+        arxiv.script(*[Reply(html, content_type="text/html")] * 2)
+        run = options(
+            tmp_path,
+            db_url,
+            stub.base_url,
+            source=str(write_papers(tmp_path / "two.jsonl", TITLES[:2])),
+            input_mode="fulltext",
+            arxiv_html_url=arxiv.url("/html"),
+            max_input_chars=200,
+        )
+        report = run_digest(run)
+    assert report.papers_done == 2
+    assert report.unverified == [("2603.00002", ["GPT-7"])]
+    digest = DigestStore(open_database(db_url)).load_digest(DAY)
+    first, second = digest.entries
+    assert first.input_basis == "fulltext" and "SuperGLUE" in first.source_text
+    assert "SuperGLUE" not in first.paper.abstract and "GPT-7" not in second.source_text
+    page = BeautifulSoup((tmp_path / "out" / f"digest-{DAY}.html").read_text(), "html.parser")
+    assert page.find("article", id="2603.00001").find(class_="unverified") is None
+    note = page.find("article", id="2603.00002").find("p", class_="unverified-note").get_text()
+    assert "It names GPT-7, which the full text does not contain" in note
+    markdown = (tmp_path / "out" / f"digest-{DAY}.md").read_text()
+    assert markdown.count("(unverified)") == 1
+    # The bench counts the same way, from the same store.
+    assert measure(digest.entries, {}, {}).summaries_unfaithful == 1
