@@ -14,7 +14,11 @@ from digest.review import InputBasis
 # longer asked, list items bounded to phrases, the summary asked shorter and with a penalty).
 # .2: no pattern on the review summary; .3: no digits in the summary task (the default model
 # copied "3 or 4 ... 90 words" into its summaries, which the faithfulness check then flagged).
-PROMPT_VERSION = "2026-12-05.3"
+# .4: the paper without label words (the default model copied "Title:", "Authors:",
+# "Categories:" and "Abstract:" into 5 of its 9 unfaithful summaries) and without the metadata
+# a summary has no use for; the summary task asks what problem the paper addresses first (the
+# model opened with an invented venue, "The paper, published in the Journal of ...").
+PROMPT_VERSION = "2026-12-05.4"
 
 SUMMARY_MAX_TOKENS = 256
 REVIEW_MAX_TOKENS = 768
@@ -33,10 +37,9 @@ SYSTEM = (
 )
 
 SUMMARY_TASK = (
-    "Task: summarize the paper above in three or four short plain sentences for a technical "
-    "reader outside the field: the problem, the approach, the main result, and why it matters. "
-    "Use only numbers and names that appear in the text above. Plain prose only: no lists, no "
-    "headings, no preamble."
+    "In three or four plain sentences, explain what problem the paper above addresses, how it "
+    "addresses it, what it finds, and why that matters, for a technical reader outside the "
+    "field. Use only the numbers and names the paper gives."
 )
 
 REVIEW_TASK = """Task: review the paper above. Reply with one JSON object and nothing else, with \
@@ -51,21 +54,18 @@ integer 1 to 5;
 - "input_basis": "{basis}"."""
 
 
+# Where a truncated full text was cut: a mark, not words the model could repeat as its own.
+CUT_MARK = "[…]"
+
+
 def paper_block(paper: Paper, basis: InputBasis, text: str, truncated: bool = False) -> str:
-    """The paper as the model sees it: metadata, then the abstract or the full text."""
-    lines = [
-        f"Title: {paper.title}",
-        f"Authors: {', '.join(paper.authors)}",
-        f"Categories: {', '.join(paper.categories)}",
-        f"arXiv: {paper.arxiv_id}v{paper.version}",
-        "",
-    ]
-    if basis == "fulltext":
-        note = " (truncated)" if truncated else ""
-        lines += [f"Full text{note}:", text]
-    else:
-        lines += ["Abstract:", text]
-    return "\n".join(lines)
+    """The paper as the model sees it: its title line, a blank line, then the abstract or the
+    full text, as plain text. No label words ("Title:", "Authors:", "Abstract:"): a small model
+    copies them into its summary as if they were the paper's (issue 19). No authors, categories
+    or arXiv id either: a summary does not need them, a review is better blind to the authors,
+    and every field shown is one more to copy. `basis` is the review task's to say."""
+    body = f"{text}\n{CUT_MARK}" if basis == "fulltext" and truncated else text
+    return f"{paper.title}\n\n{body}"
 
 
 def _messages(block: str, task: str) -> list[dict]:

@@ -5,6 +5,7 @@ that the paper does not contain. `nightshift bench digest-quality` prints them."
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -14,6 +15,17 @@ from digest.repetition import loops
 from digest.review import Review, decision_for, is_phrase
 
 _FINISHED = (".", "!", "?", ")", '"', "'")
+# A label word of the prompt (or a heading of the model's own) followed by a colon: the default
+# model copied the paper block's "Title:", "Authors:", "Abstract:" into its summaries (issue 19).
+_LABEL = re.compile(
+    r"\b(?:Title|Authors?|Categories|Abstract|arXiv|Full text|Task|Summary)\s*:", re.IGNORECASE
+)
+# Where a paper appeared: a small model invents one ("published in the Journal of ..."); the
+# digest's inputs (arXiv preprints) never name one in a way a summary should repeat.
+_VENUE = re.compile(
+    r"\b(?:published (?:in|at|by)|presented at|Journal of|Proceedings of|Conference on)\b",
+    re.IGNORECASE,
+)
 
 
 @dataclass(slots=True)
@@ -26,6 +38,8 @@ class QualityFigures:
     summaries_looping: int = 0  # a repeated sentence or a repeated run of words
     summaries_unfinished: int = 0  # not ending at a sentence's end (cut mid-sentence or word)
     summaries_unfaithful: int = 0  # a number or name that the paper's text lacks
+    summaries_with_labels: int = 0  # "Title:", "Abstract:", ... copied from a prompt
+    summaries_naming_a_venue: int = 0  # "published in the Journal of ..."
     reviews: int = 0
     reviews_unparsed: int = 0
     decision_contradicts_score: int = 0
@@ -46,6 +60,8 @@ class QualityFigures:
             ("summaries that loop", self.summaries_looping, self.summaries),
             ("summaries unfinished", self.summaries_unfinished, self.summaries),
             ("summaries with facts not in the paper", self.summaries_unfaithful, self.summaries),
+            ("summaries with label words (Title: ...)", self.summaries_with_labels, self.summaries),
+            ("summaries naming a venue", self.summaries_naming_a_venue, self.summaries),
             ("reviews unparsed", self.reviews_unparsed, self.reviews),
             ("decisions contradicting the score", self.decision_contradicts_score, self.reviews),
             ("reviewer summaries unfinished", self.review_summaries_unfinished, self.reviews),
@@ -99,6 +115,12 @@ def _summary(
     if missing:
         figures.summaries_unfaithful += 1
         figures._example("unfaithful", f"{pid}: {', '.join(missing)}")
+    if labels := _LABEL.findall(summary):
+        figures.summaries_with_labels += 1
+        figures._example("labels", f"{pid}: {', '.join(labels)}")
+    if venue := _VENUE.search(summary):
+        figures.summaries_naming_a_venue += 1
+        figures._example("venue", f"{pid}: ...{summary[venue.start() : venue.end() + 40]}")
 
 
 def _review(figures: QualityFigures, pid: str, review: Review) -> None:

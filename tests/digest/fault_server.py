@@ -355,7 +355,10 @@ def _last_user(body: dict) -> str:
 
 
 def _title(body: dict) -> str:
-    """The paper title: a "Title: ..." line in the messages, else the last user turn's start."""
+    """The paper title: a "Title: ..." line in the messages, else the last user turn's first
+    line (the digest's prompts open with the title, without a label)."""
     text = "\n".join(_content(m) for m in body.get("messages", []))
     found = re.search(r"^\s*Title:\s*(.+)$", text, re.MULTILINE | re.IGNORECASE)
-    return found.group(1).strip() if found else " ".join(_last_user(body).split()[:8])
+    if found:
+        return found.group(1).strip()
+    return _last_user(body).strip().split("\n", 1)[0].strip()

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 
 from digest.pipeline import RunOptions, run_digest
-from digest.prompts import SYSTEM
+from digest.prompts import SUMMARY_TASK, SYSTEM
 from digest.sources.polite_http import PoliteHttpConfig
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
@@ -78,7 +78,7 @@ def test_run_stores_everything_then_a_rerun_calls_nothing(tmp_path, db_url):
             user = body["messages"][1]["content"]
             by_title.setdefault(user.split("\n")[0], []).append(user)
         for summary, review in (sorted(v, key=len) for v in by_title.values()):
-            prefix = summary[: summary.index("Task:")]
+            prefix = summary[: summary.index(SUMMARY_TASK)]
             assert review.startswith(prefix) and len(prefix) > 100
         assert all(b["stream"] and b["temperature"] == 0.0 for b in stub.requests)
         reviews = [b for b in stub.requests if "response_format" in b]
@@ -276,8 +276,11 @@ def test_arxiv_source_and_full_text_with_abstract_fallback(tmp_path, sqlite_url)
     digest = DigestStore(open_database(sqlite_url)).load_digest(DAY)
     assert [e.input_basis for e in digest.entries] == ["fulltext"] * 2 + ["abstract"] * 3
     assert all(e.review.input_basis == e.input_basis for e in digest.entries)
-    assert sum("Full text (truncated):" in p for p in prompts) == 4  # summary + review, 2 papers
-    assert sum("\nAbstract:\n" in p for p in prompts) == 6
+    # The full text, cut where the budget ends (a mark, not words), for 2 papers' summary and
+    # review; the abstract for the other 3.
+    assert sum("\n[…]\n\n" in p for p in prompts) == 4
+    abstracts = [e.paper.abstract for e in digest.entries[2:]]
+    assert sum(any(f"\n\n{a}\n\n" in p for a in abstracts) for p in prompts) == 6
     # A rerun reads the stored text: arXiv is asked only for the listing.
     with ScriptedServer() as arxiv, FaultServer() as stub:
         arxiv.script(Reply(atom))

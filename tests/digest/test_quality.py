@@ -5,6 +5,7 @@ end against the scripted server."""
 from __future__ import annotations
 
 import json
+import re
 from datetime import date
 
 import pytest
@@ -14,7 +15,13 @@ from digest.entries import DigestEntry
 from digest.faithfulness import checkable_tokens, paper_source, unsupported
 from digest.paper import Paper
 from digest.pipeline import run_digest
-from digest.prompts import SUMMARY_FREQUENCY_PENALTY, SUMMARY_RETRY_FREQUENCY_PENALTY
+from digest.prompts import (
+    SUMMARY_FREQUENCY_PENALTY,
+    SUMMARY_RETRY_FREQUENCY_PENALTY,
+    paper_block,
+    review_messages,
+    summary_messages,
+)
 from digest.quality import measure
 from digest.quality_bench import QualityBenchConfig, run_quality_bench
 from digest.repetition import loops, repeated_run, repeated_sentence
@@ -90,6 +97,38 @@ def test_measure_counts_each_figure():
     # The source is what the model was given: a full text may hold what the abstract lacks.
     full = {"2603.00003": paper_source(entries[2].paper, "It reaches 97% on GLUE and more.")}
     assert measure(entries[2:], {}, full).summaries_unfaithful == 0
+
+
+# The two kinds of unfaithful summary the default model wrote most (issue 19), verbatim.
+ECHOED = (
+    "SiDiaC-v.2.0: Sinhala Diachronic Corpus Version 2.0 Title: SiDiaC-v.2.0: Sinhala Diachronic "
+    "Corpus Version 2.0 Authors: Nevidu Jayatilleke, Nisansa de Silva Categories: cs.CL"
+)
+VENUE = "The paper, published in the Journal of Artificial Intelligence Research, explores PRF."
+
+
+def test_the_prompt_shows_the_paper_as_plain_text_without_label_words():
+    """Issue 19: in 5 of 9 unfaithful summaries the default model copied the prompt's labels
+    ("Title", "Authors", "Categories", "Abstract") into the summary. The paper is its title
+    line and its text; no label word, and no metadata a summary has no use for."""
+    paper = Paper("2603.00001", "Tiny Models", "We test tiny models.", ["Ada Lovelace"], ["cs.CL"])
+    blocks = {
+        "abstract": paper_block(paper, "abstract", paper.abstract),
+        "fulltext": paper_block(paper, "fulltext", "1 Introduction\nWe test.", truncated=True),
+    }
+    assert blocks["abstract"] == "Tiny Models\n\nWe test tiny models."
+    assert blocks["fulltext"] == "Tiny Models\n\n1 Introduction\nWe test.\n[…]"
+    label = re.compile(r"\b(?:Title|Authors?|Categories|Abstract|arXiv|Full text|Task)\s*:")
+    for basis, block in blocks.items():
+        for message in summary_messages(block):
+            assert not label.search(message["content"]), message["content"]
+        # The review shares the paper (one cached prefix); its task keeps its own words.
+        assert review_messages(block, basis)[1]["content"].startswith(f"{block}\n\n")
+        assert "Ada Lovelace" not in block and "cs.CL" not in block
+    # The bench counts summaries that still copy labels, or name a venue.
+    figures = measure([_entry(1, ECHOED), _entry(2, VENUE), _entry(3, "Tiny Models work.")], {}, {})
+    assert (figures.summaries_with_labels, figures.summaries_naming_a_venue) == (1, 1)
+    assert figures.examples["labels"] == ["2603.00001: Title:, Authors:, Categories:"]
 
 
 def test_a_looping_summary_is_asked_once_more_under_a_stronger_penalty(tmp_path, sqlite_url):
