@@ -6,7 +6,7 @@
 #
 # Environment: PYTHON (default .venv/bin/python, else python3) provides pip; LLAMA_CPP_PYTHON_VERSION
 # pins the sdist (default: the newest on PyPI); JOBS (default: the core count) for the compile.
-# The build is native (-DGGML_NATIVE=ON): its binaries may not run on another CPU model. It takes
+# The build uses this CPU's vector extensions (below): its binaries may not run on another CPU model. It takes
 # about 11 minutes on 2 cores. Nothing is written inside the repository: the sdist, the sources
 # and the build tree live under DEST/src and DEST/build, and the script refuses a DEST in the repo.
 set -euo pipefail
@@ -37,10 +37,30 @@ tar -xzf "$sdist" -C "$dest/src"
 source_dir="${sdist%.tar.gz}/vendor/llama.cpp"
 [ -f "$source_dir/CMakeLists.txt" ] || { echo "no vendored llama.cpp in $sdist" >&2; exit 1; }
 
+# The CPU's own vector extensions, named one by one rather than -march=native: native also turns
+# on AMX where the CPU lists it, and ggml's AMX matmul dies of SIGILL at its first tile
+# instruction on virtual machines whose hypervisor does not hand the tile state over (seen on a
+# Xeon VM listing amx_tile, 2026-12-05). Our kernels use no AMX either, so both sides run the
+# same AVX512/AVX2 integer dot products. LLAMA_AMX=1 keeps the native build, AMX included.
+flags=" $(grep -m 1 '^flags' /proc/cpuinfo 2>/dev/null || true) "
+isa=()
+if [ "${LLAMA_AMX:-0}" = 1 ]; then
+    isa+=(-DGGML_NATIVE=ON)
+else
+    isa+=(-DGGML_NATIVE=OFF)
+    for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+        avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        case "$flags" in
+        *" ${pair%%:*} "*) isa+=("-DGGML_${pair#*:}=ON") ;;
+        *) isa+=("-DGGML_${pair#*:}=OFF") ;;
+        esac
+    done
+fi
+
 # LLAMA_CURL=OFF: the server loads a local GGUF only; no libcurl needed (newer trees ignore it).
 cmake -S "$source_dir" -B "$dest/build" \
     -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON \
+    "${isa[@]}" \
     -DLLAMA_BUILD_SERVER=ON \
     -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF

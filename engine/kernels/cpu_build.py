@@ -21,9 +21,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
+
+K = TypeVar("K")
 
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -49,8 +54,10 @@ def _build(source: Path, compiler: str, march: str) -> Path:
     from engine.model_fetch import nightshift_home
 
     command = [compiler, *FLAGS, f"-march={march}"]
+    # Every kernel source in the folder is in the key: one may #include another.
+    sources = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.c")))
     key = hashlib.sha256(
-        source.read_bytes() + " ".join(command).encode() + _cpu_identity().encode()
+        source.read_bytes() + sources + " ".join(command).encode() + _cpu_identity().encode()
     ).hexdigest()[:16]
     target = nightshift_home() / "kernels" / f"{source.stem}-{key}.so"
     if target.exists():
@@ -79,3 +86,29 @@ def _cpu_identity() -> str:
         return platform.processor()
     keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))]
     return "\n".join(sorted(set(keep)))
+
+
+class LoadOnce(Generic[K]):
+    """A kernel built and loaded at its first use in the process, by `load` (None: not
+    available, the callers keep torch's ops); later calls return the same one. Threads may ask
+    at once: one builds, the others wait for it."""
+
+    def __init__(self, load: Callable[[], K | None]) -> None:
+        self._load = load
+        self._lock = threading.Lock()
+        self._kernel: K | None = None
+        self._tried = False
+
+    def get(self) -> K | None:
+        if self._tried:
+            return self._kernel
+        with self._lock:
+            if not self._tried:
+                self._kernel = self._load()
+                self._tried = True
+        return self._kernel
+
+    def forget(self) -> None:
+        """Load again at the next use (tests change the environment the loader reads)."""
+        with self._lock:
+            self._kernel, self._tried = None, False

@@ -11,7 +11,6 @@ import ctypes
 import logging
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
@@ -21,10 +20,6 @@ from engine.kernels import cpu_build
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
-
-_lock = threading.Lock()
-_default: CpuOpsKernel | None = None
-_tried = False
 
 
 class CpuOpsKernel:
@@ -103,14 +98,7 @@ def available() -> bool:
 
 
 def kernel() -> CpuOpsKernel | None:
-    global _default, _tried
-    if _tried:
-        return _default
-    with _lock:
-        if not _tried:
-            _default = _load()
-            _tried = True
-    return _default
+    return _loaded.get()
 
 
 def build(march: str) -> CpuOpsKernel:
@@ -126,3 +114,6 @@ def _load() -> CpuOpsKernel | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("no fused CPU ops (%s): using torch's", e)
         return None
+
+
+_loaded = cpu_build.LoadOnce(_load)

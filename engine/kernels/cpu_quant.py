@@ -1,7 +1,7 @@
 """The CPU's int4/int8 matmuls (cpu_quant_matmul.c), built at first use (engine/kernels/
 cpu_build.py) and called via ctypes. No compiler, or a build that fails, leaves `available()`
-False and the weights on torch's kernels, with one warning in the log. Opt-in for now:
-NIGHTSHIFT_CPU_QUANT_KERNEL=1 (see _load).
+False and the weights on torch's kernels, with one warning in the log;
+NIGHTSHIFT_CPU_QUANT_KERNEL=0 switches it off.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import ctypes
 import logging
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
@@ -22,34 +21,30 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_quant_matmul.c")
 BLOCK = 32  # the activations' quantization block; K must be a multiple of it
 
-_lock = threading.Lock()
-_default: Kernel | None = None
-_tried = False
-
 
 class Kernel:
     """One build of cpu_quant_matmul.c, loaded."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.ns_int4_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, i64, i64, ptr, i32]
+        lib.ns_int4_tiled_matmul.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i32, i64, i64, ptr, i32]
         lib.ns_int8_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, i32]
-        lib.ns_int4_matmul.restype = lib.ns_int8_matmul.restype = i32
+        lib.ns_int4_tiled_matmul.restype = lib.ns_int8_matmul.restype = i32
         lib.ns_isa.restype = ctypes.c_char_p
         self._lib = lib
         self.isa = lib.ns_isa().decode()
 
-    def int4_matmul(
-        self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
-        group: int,
+    def int4_tiled_matmul(
+        self, x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,
+        group: int, n: int,
     ) -> torch.Tensor:  # fmt: skip
-        """x float32 [M, K] contiguous; codes uint8 [N, K/2]; scale, low float32 or float16
-        [N, K/group] (both the same dtype). Returns float32 [M, N]."""
+        """x float32 [M, K] contiguous; tiles uint8 [ceil(N/16), K/32 * 256] and scale, low
+        float32 or float16 [ceil(N/16), K/group, 16] (engine/quant/int4.py, tile_codes).
+        Returns float32 [M, n]."""
         m, k = x.shape
-        n = codes.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        rc = self._lib.ns_int4_matmul(
-            x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), low.data_ptr(),
+        rc = self._lib.ns_int4_tiled_matmul(
+            x.data_ptr(), m, k, tiles.data_ptr(), scale.data_ptr(), low.data_ptr(),
             int(scale.dtype == torch.float16), group, n, y.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         _check(rc, "int4", k, group)
@@ -81,10 +76,11 @@ def isa() -> str:
     return kernel.isa if kernel is not None else "none"
 
 
-def int4_matmul(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int
-) -> torch.Tensor:
-    return _kernel().int4_matmul(x, codes, scale, low, group)
+def int4_tiled_matmul(
+    x: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int,
+    n: int,
+) -> torch.Tensor:  # fmt: skip
+    return _kernel().int4_tiled_matmul(x, tiles, scale, low, group, n)
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
@@ -106,20 +102,11 @@ def _check(rc: int, kind: str, k: int, group: int) -> None:
 
 
 def _kernel() -> Kernel | None:
-    global _default, _tried
-    if _tried:
-        return _default
-    with _lock:
-        if not _tried:
-            _default = _load()
-            _tried = True
-    return _default
+    return _loaded.get()
 
 
 def _load() -> Kernel | None:
-    # Opt-in for now: a served run at concurrency 8 (32 prompts of ~450 tokens) measured several
-    # times slower with these kernels on, not yet explained (docs/PERFORMANCE.md).
-    if os.environ.get("NIGHTSHIFT_CPU_QUANT_KERNEL", "0") != "1":
+    if os.environ.get("NIGHTSHIFT_CPU_QUANT_KERNEL", "1") == "0":
         return None
     try:
         return build(cpu_build.march())
@@ -131,3 +118,6 @@ def _load() -> Kernel | None:
 def build(march: str) -> Kernel:
     """This kernel compiled for -march=`march` (cached): OSError or SubprocessError if not."""
     return Kernel(cpu_build.build(SOURCE, march))
+
+
+_loaded = cpu_build.LoadOnce(_load)

@@ -3,18 +3,17 @@
  * The scheme is llama.cpp's (ggml_vec_dot_q4_1_q8_1, ggml_vec_dot_q8_0_q8_0): the activations are
  * quantized to int8 in blocks of 32 (one float scale per block), and each block's dot product is
  * an integer one, u8 x s8 -> s32 with AVX512-VNNI's vpdpbusd (AVX2: vpmaddubsw + vpmaddwd), then
- * scaled once per block. That reads the weights at their stored size and spends about a dozen
+ * scaled once per block. That reads the weights at their stored size and spends a few
  * instructions per 32 weights, where dequantizing to floats and multiplying (torch's
  * _weight_int4pack_mm_for_cpu) spends several times that and stops well short of the memory
  * bandwidth at one row.
  *
- * Layouts are the engine's stored ones (engine/quant/int4.py, int8.py), read in place:
- *   int4: codes uint8 [N, K/2], inputs 2j and 2j+1 in the low and high nibble of byte j;
- *         scale and low [N, K/group] (float32, or float16 where that is exact), w = scale q + low.
- *         A block's 16 bytes unpack to [low nibbles | high nibbles] = inputs [0, 2, .., 30 |
- *         1, 3, .., 31], so the activations are quantized in that order (interleave = 1).
- *   int8: codes int8 [N, K], scale float32 [N, K/group], group 16, or a multiple of 32. The
- *         signed x signed product uses the sign trick: |w| (u8) times x with w's sign (s8).
+ * Layouts:
+ *   int4: row-tiled (below, ns_int4_tiled_matmul), made from the stored codes once by
+ *         engine/quant/int4.py (tile_codes); w = scale q + low per group of 32, 64 or 128.
+ *   int8: the engine's stored layout (engine/quant/int8.py), read in place: codes int8 [N, K],
+ *         scale float32 [N, K/group], group 16, or a multiple of 32. The signed x signed
+ *         product uses the sign trick: |w| (u8) times x with w's sign (s8).
  *
  * Rows of W are split across OpenMP threads (the same libgomp torch runs on, so one pool), and
  * up to four activation rows share each unpacked weight block. Built at first use by
@@ -33,8 +32,7 @@
 #define MT 4 /* activation rows per pass over a weight row */
 
 /* One row of activations quantized: q[K] int8, per block d (scale) and s (d * sum q). */
-static void quantize_row(const float *x, int64_t K, int interleave, int8_t *q, float *d,
-                         float *s) {
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float amax = 0.0f;
@@ -44,9 +42,7 @@ static void quantize_row(const float *x, int64_t K, int interleave, int8_t *q, f
         int8_t *qb = q + b * QK;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            /* interleave: evens first, then odds (the int4 block's unpacked order) */
-            const int src = interleave ? (i < 16 ? 2 * i : 2 * (i - 16) + 1) : i;
-            const int v = (int)lrintf(xb[src] * inv);
+            const int v = (int)lrintf(xb[i] * inv);
             qb[i] = (int8_t)v;
             sum += v;
         }
@@ -61,7 +57,7 @@ typedef struct {
     float *s;
 } Acts;
 
-static int quantize_acts(const float *x, int64_t M, int64_t K, int interleave, Acts *a,
+static int quantize_acts(const float *x, int64_t M, int64_t K, Acts *a,
                          int nthreads) {
     const int64_t nb = K / QK;
     a->q = (int8_t *)malloc((size_t)(M * K));
@@ -70,7 +66,7 @@ static int quantize_acts(const float *x, int64_t M, int64_t K, int interleave, A
     if (!a->q || !a->d || !a->s) return -1;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M > 8)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, interleave, a->q + m * K, a->d + m * nb, a->s + m * nb);
+        quantize_row(x + m * K, K, a->q + m * K, a->d + m * nb, a->s + m * nb);
     return 0;
 }
 
@@ -130,60 +126,6 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* int4: rows [r0, r1) of y for activation rows [m0, m0 + mt) */
-static void int4_rows(const Acts *a, int64_t m0, int mt, int64_t K, const uint8_t *codes,
-                      const void *scale, const void *low, int f16, int64_t group, int64_t N,
-                      int64_t r0, int64_t r1, float *y) {
-    const int64_t nb = K / QK, ng = K / group, per = group / QK;
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *wr = codes + r * (K / 2);
-#if defined(__AVX2__)
-        __m256 acc[MT];
-        float accm[MT];
-        for (int t = 0; t < mt; t++) {
-            acc[t] = _mm256_setzero_ps();
-            accm[t] = 0.0f;
-        }
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        for (int64_t g = 0; g < ng; g++) {
-            const float ws = load_scale(scale, r * ng + g, f16);
-            const float wl = load_scale(low, r * ng + g, f16);
-            for (int64_t j = 0; j < per; j++) {
-                const int64_t b = g * per + j;
-                const __m128i p = _mm_loadu_si128((const __m128i *)(wr + b * 16));
-                const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), mask),
-                                                   _mm_and_si128(p, mask));
-                for (int t = 0; t < mt; t++) {
-                    const int64_t m = m0 + t;
-                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + m * K + b * QK));
-                    const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(w, xq));
-                    acc[t] = _mm256_fmadd_ps(f, _mm256_set1_ps(ws * a->d[m * nb + b]), acc[t]);
-                    accm[t] += wl * a->s[m * nb + b];
-                }
-            }
-        }
-        for (int t = 0; t < mt; t++) y[(m0 + t) * N + r] = hsum(acc[t]) + accm[t];
-#else
-        for (int t = 0; t < mt; t++) {
-            const int64_t m = m0 + t;
-            float sum = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                const int64_t g = b / per;
-                const int8_t *xq = a->q + m * K + b * QK;
-                int isum = 0;
-                for (int i = 0; i < 16; i++) {
-                    const uint8_t byte = wr[b * 16 + i];
-                    isum += (byte & 15) * xq[i] + (byte >> 4) * xq[16 + i];
-                }
-                sum += load_scale(scale, r * ng + g, f16) * a->d[m * nb + b] * (float)isum +
-                       load_scale(low, r * ng + g, f16) * a->s[m * nb + b];
-            }
-            y[m * N + r] = sum;
-        }
-#endif
-    }
-}
-
 /* int8: rows [r0, r1) of y for activation rows [m0, m0 + mt) */
 static void int8_rows(const Acts *a, int64_t m0, int mt, int64_t K, const int8_t *q,
                       const float *scale, int64_t group, int64_t N, int64_t r0, int64_t r1,
@@ -235,49 +177,6 @@ static void int8_rows(const Acts *a, int64_t m0, int mt, int64_t K, const int8_t
  * arrays below live in registers. */
 #define RB 4
 
-static inline __attribute__((always_inline)) void int4_tile(
-    const Acts *a, int64_t m0, const int mb, int64_t K, const uint8_t *codes, const void *scale,
-    const void *low, const int f16, int64_t group, int64_t N, int64_t r0, float *y) {
-    const int64_t nb = K / QK, ng = K / group, per = group / QK;
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256 acc[RB][2];
-    float accm[RB][2];
-    for (int i = 0; i < RB; i++)
-        for (int t = 0; t < mb; t++) {
-            acc[i][t] = _mm256_setzero_ps();
-            accm[i][t] = 0.0f;
-        }
-    for (int64_t g = 0; g < ng; g++) {
-        float ws[RB], wl[RB];
-        for (int i = 0; i < RB; i++) {
-            ws[i] = load_scale(scale, (r0 + i) * ng + g, f16);
-            wl[i] = load_scale(low, (r0 + i) * ng + g, f16);
-        }
-        for (int64_t j = 0; j < per; j++) {
-            const int64_t b = g * per + j;
-            __m256i w[RB];
-            for (int i = 0; i < RB; i++) {
-                const __m128i p =
-                    _mm_loadu_si128((const __m128i *)(codes + (r0 + i) * (K / 2) + b * 16));
-                w[i] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), mask),
-                                        _mm_and_si128(p, mask));
-            }
-            for (int t = 0; t < mb; t++) {
-                const int64_t m = m0 + t;
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(a->q + m * K + b * QK));
-                const float d = a->d[m * nb + b], s = a->s[m * nb + b];
-                for (int i = 0; i < RB; i++) {
-                    const __m256 f = _mm256_cvtepi32_ps(dot_u8s8(w[i], xq));
-                    acc[i][t] = _mm256_fmadd_ps(f, _mm256_set1_ps(ws[i] * d), acc[i][t]);
-                    accm[i][t] += wl[i] * s;
-                }
-            }
-        }
-    }
-    for (int i = 0; i < RB; i++)
-        for (int t = 0; t < mb; t++) y[(m0 + t) * N + r0 + i] = hsum(acc[i][t]) + accm[i][t];
-}
-
 static inline __attribute__((always_inline)) void int8_tile(
     const Acts *a, int64_t m0, const int mb, int64_t K, const int8_t *q, const float *scale,
     int64_t group, int64_t N, int64_t r0, float *y) {
@@ -327,35 +226,6 @@ static inline void prefetch(const void *p, int64_t n) {
 #endif
 }
 
-static void int4_chunk(const Acts *a, int64_t M, int64_t K, const uint8_t *codes,
-                       const void *scale, const void *low, int f16, int64_t group, int64_t N,
-                       int64_t r0, int64_t r1, float *y) {
-    int64_t r = r0;
-#if defined(__AVX2__)
-    const int64_t sbytes = (K / group) * (f16 ? 2 : 4);
-    for (; r + RB <= r1; r += RB) {
-        if (r + 2 * RB <= N) { /* the next tile's rows */
-            prefetch(codes + (r + RB) * (K / 2), RB * (K / 2));
-            prefetch((const char *)scale + (r + RB) * sbytes, RB * sbytes);
-            prefetch((const char *)low + (r + RB) * sbytes, RB * sbytes);
-        }
-        int64_t m0 = 0;
-        for (; m0 + 2 <= M; m0 += 2) {
-            if (f16) int4_tile(a, m0, 2, K, codes, scale, low, 1, group, N, r, y);
-            else int4_tile(a, m0, 2, K, codes, scale, low, 0, group, N, r, y);
-        }
-        if (m0 < M) {
-            if (f16) int4_tile(a, m0, 1, K, codes, scale, low, 1, group, N, r, y);
-            else int4_tile(a, m0, 1, K, codes, scale, low, 0, group, N, r, y);
-        }
-    }
-#endif
-    for (int64_t m0 = 0; m0 < M && r < r1; m0 += MT) {
-        const int mt = (int)(M - m0 < MT ? M - m0 : MT);
-        int4_rows(a, m0, mt, K, codes, scale, low, f16, group, N, r, r1, y);
-    }
-}
-
 static void int8_chunk(const Acts *a, int64_t M, int64_t K, const int8_t *q, const float *scale,
                        int64_t group, int64_t N, int64_t r0, int64_t r1, float *y) {
     int64_t r = r0;
@@ -376,30 +246,11 @@ static void int8_chunk(const Acts *a, int64_t M, int64_t K, const int8_t *q, con
     }
 }
 
-int ns_int4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const void *scale,
-                   const void *low, int scale_f16, int64_t group, int64_t N, float *y,
-                   int nthreads) {
-    if (K % QK || group % QK || K % group) return -2;
-    Acts a;
-    if (quantize_acts(x, M, K, 1, &a, nthreads)) {
-        free_acts(&a);
-        return -1;
-    }
-    const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
-#pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < N ? r0 + ROW_CHUNK : N;
-        int4_chunk(&a, M, K, codes, scale, low, scale_f16, group, N, r0, r1, y);
-    }
-    free_acts(&a);
-    return 0;
-}
-
 int ns_int8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const float *scale,
                    int64_t group, int64_t N, float *y, int nthreads) {
     if (K % QK || K % group || !(group == 16 || group % QK == 0)) return -2;
     Acts a;
-    if (quantize_acts(x, M, K, 0, &a, nthreads)) {
+    if (quantize_acts(x, M, K, &a, nthreads)) {
         free_acts(&a);
         return -1;
     }
@@ -408,6 +259,231 @@ int ns_int8_matmul(const float *x, int64_t M, int64_t K, const int8_t *q, const 
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t r0 = c * ROW_CHUNK, r1 = r0 + ROW_CHUNK < N ? r0 + ROW_CHUNK : N;
         int8_chunk(&a, M, K, q, scale, group, N, r0, r1, y);
+    }
+    free_acts(&a);
+    return 0;
+}
+
+/* ---- int4, row-tiled ----
+ *
+ * The stored layout above puts one weight row's block in 16 bytes, so each block's integer dot
+ * product ends in a horizontal sum, a dozen instructions for 32 weights. Tiled, 16 weight rows
+ * share a block's 256 bytes: byte (j, r, k) of tile t, block b holds row 16t + r's inputs
+ * 32b + 4j + k (low nibble) and 32b + 16 + 4j + k (high nibble), j, k < 4. One 64-byte load
+ * then holds 4 inputs of each of 16 rows, one 32-bit lane a row, and vpdpbusd against the
+ * 4 activations broadcast from memory adds each row's dot product into its own lane: 8 of them
+ * a block, no horizontal sums, and the activation scale applied once a block for 16 rows. This
+ * is the repacking llama.cpp does for Q4_0 on AVX512 and ARM (ggml-cpu "repack"). Scales and
+ * lows are [tiles, K / group, 16] (float16 or float32), rows past N are zero padding.
+ * Made by engine/quant/int4.py (tile_codes).
+ */
+#define TR 16  /* weight rows a tile */
+#define TMB 4  /* activation rows sharing each unpacked block */
+
+static inline void load16(const void *p, int64_t i, int f16, float *out) {
+    for (int r = 0; r < TR; r++) out[r] = load_scale(p, i + r, f16);
+}
+
+/* y rows [m0, m0 + mb) x tile t: the portable code (and the reference for the vector ones) */
+static void int4_tile16_scalar(const Acts *a, int64_t m0, int mb, int64_t K, const uint8_t *tile,
+                               const void *scale, const void *low, int f16, int64_t group,
+                               int64_t t, int64_t N, float *y) {
+    const int64_t nb = K / QK, ng = K / group, per = group / QK;
+    for (int mi = 0; mi < mb; mi++) {
+        const int64_t m = m0 + mi;
+        float acc[TR] = {0}, ws[TR], wl[TR];
+        for (int64_t g = 0; g < ng; g++) {
+            load16(scale, (t * ng + g) * TR, f16, ws);
+            load16(low, (t * ng + g) * TR, f16, wl);
+            float accg[TR] = {0}, sg = 0.0f;
+            for (int64_t j = 0; j < per; j++) {
+                const int64_t b = g * per + j;
+                const uint8_t *blk = tile + b * (TR * 16);
+                const int8_t *xq = a->q + m * K + b * QK;
+                for (int r = 0; r < TR; r++) {
+                    int isum = 0;
+                    for (int c = 0; c < 4; c++)
+                        for (int k = 0; k < 4; k++) {
+                            const uint8_t byte = blk[(c * TR + r) * 4 + k];
+                            isum += (byte & 15) * xq[4 * c + k] + (byte >> 4) * xq[16 + 4 * c + k];
+                        }
+                    accg[r] += (float)isum * a->d[m * nb + b];
+                }
+                sg += a->s[m * nb + b];
+            }
+            for (int r = 0; r < TR; r++) acc[r] += accg[r] * ws[r] + wl[r] * sg;
+        }
+        for (int r = 0; r < TR && t * TR + r < N; r++) y[m * N + t * TR + r] = acc[r];
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static inline __m512 load16_ps(const void *p, int64_t i, int f16) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) void int4_tile16_avx512(
+    const Acts *a, int64_t m0, const int mb, int64_t K, const uint8_t *tile, const void *scale,
+    const void *low, const int f16, int64_t group, int64_t t, int64_t N, float *y) {
+    const int64_t nb = K / QK, ng = K / group, per = group / QK;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 acc[TMB];
+    for (int mi = 0; mi < mb; mi++) acc[mi] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 accg[TMB];
+        float sg[TMB];
+        for (int mi = 0; mi < mb; mi++) {
+            accg[mi] = _mm512_setzero_ps();
+            sg[mi] = 0.0f;
+        }
+        for (int64_t j = 0; j < per; j++) {
+            const int64_t b = g * per + j;
+            const uint8_t *blk = tile + b * (TR * 16);
+            __m512i lo[4], hi[4];
+            for (int c = 0; c < 4; c++) {
+                const __m512i p = _mm512_loadu_si512((const void *)(blk + c * 64));
+                lo[c] = _mm512_and_si512(p, mask);
+                hi[c] = _mm512_and_si512(_mm512_srli_epi16(p, 4), mask);
+            }
+            for (int mi = 0; mi < mb; mi++) {
+                const int64_t m = m0 + mi;
+                const int32_t *xd = (const int32_t *)(a->q + m * K + b * QK);
+                __m512i isum = _mm512_setzero_si512();
+                for (int c = 0; c < 4; c++) {
+                    isum = _mm512_dpbusd_epi32(isum, lo[c], _mm512_set1_epi32(xd[c]));
+                    isum = _mm512_dpbusd_epi32(isum, hi[c], _mm512_set1_epi32(xd[4 + c]));
+                }
+                accg[mi] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                           _mm512_set1_ps(a->d[m * nb + b]), accg[mi]);
+                sg[mi] += a->s[m * nb + b];
+            }
+        }
+        const __m512 ws = load16_ps(scale, (t * ng + g) * TR, f16);
+        const __m512 wl = load16_ps(low, (t * ng + g) * TR, f16);
+        for (int mi = 0; mi < mb; mi++)
+            acc[mi] = _mm512_fmadd_ps(wl, _mm512_set1_ps(sg[mi]),
+                                      _mm512_fmadd_ps(accg[mi], ws, acc[mi]));
+    }
+    const int64_t left = N - t * TR;
+    const __mmask16 keep = left >= TR ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int mi = 0; mi < mb; mi++) _mm512_mask_storeu_ps(y + (m0 + mi) * N + t * TR, keep, acc[mi]);
+}
+#endif
+
+#if defined(__AVX2__)
+/* The same with 256-bit vectors: each 64-byte chunk is two halves, rows 0-7 and rows 8-15. */
+static inline __attribute__((always_inline)) void int4_tile16_avx2(
+    const Acts *a, int64_t m0, const int mb, int64_t K, const uint8_t *tile, const void *scale,
+    const void *low, const int f16, int64_t group, int64_t t, int64_t N, float *y) {
+    const int64_t nb = K / QK, ng = K / group, per = group / QK;
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    __m256 acc[TMB][2];
+    for (int mi = 0; mi < mb; mi++) acc[mi][0] = acc[mi][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 accg[TMB][2];
+        float sg[TMB];
+        for (int mi = 0; mi < mb; mi++) {
+            accg[mi][0] = accg[mi][1] = _mm256_setzero_ps();
+            sg[mi] = 0.0f;
+        }
+        for (int64_t j = 0; j < per; j++) {
+            const int64_t b = g * per + j;
+            const uint8_t *blk = tile + b * (TR * 16);
+            for (int half = 0; half < 2; half++) {
+                __m256i lo[4], hi[4];
+                for (int c = 0; c < 4; c++) {
+                    const __m256i p = _mm256_loadu_si256((const __m256i *)(blk + c * 64 + half * 32));
+                    lo[c] = _mm256_and_si256(p, mask);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(p, 4), mask);
+                }
+                for (int mi = 0; mi < mb; mi++) {
+                    const int64_t m = m0 + mi;
+                    const int32_t *xd = (const int32_t *)(a->q + m * K + b * QK);
+                    __m256i isum = _mm256_setzero_si256();
+                    for (int c = 0; c < 4; c++) {
+                        isum = _mm256_add_epi32(isum, dot_u8s8(lo[c], _mm256_set1_epi32(xd[c])));
+                        isum = _mm256_add_epi32(isum,
+                                                dot_u8s8(hi[c], _mm256_set1_epi32(xd[4 + c])));
+                    }
+                    accg[mi][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                                     _mm256_set1_ps(a->d[m * nb + b]),
+                                                     accg[mi][half]);
+                }
+            }
+            for (int mi = 0; mi < mb; mi++) sg[mi] += a->s[(m0 + mi) * nb + b];
+        }
+        for (int half = 0; half < 2; half++) {
+            float wsv[8], wlv[8];
+            for (int r = 0; r < 8; r++) {
+                wsv[r] = load_scale(scale, (t * ng + g) * TR + half * 8 + r, f16);
+                wlv[r] = load_scale(low, (t * ng + g) * TR + half * 8 + r, f16);
+            }
+            const __m256 ws = _mm256_loadu_ps(wsv), wl = _mm256_loadu_ps(wlv);
+            for (int mi = 0; mi < mb; mi++)
+                acc[mi][half] = _mm256_fmadd_ps(wl, _mm256_set1_ps(sg[mi]),
+                                                _mm256_fmadd_ps(accg[mi][half], ws, acc[mi][half]));
+        }
+    }
+    const int64_t left = N - t * TR;
+    for (int mi = 0; mi < mb; mi++) {
+        float *yr = y + (m0 + mi) * N + t * TR;
+        if (left >= TR) {
+            _mm256_storeu_ps(yr, acc[mi][0]);
+            _mm256_storeu_ps(yr + 8, acc[mi][1]);
+        } else {
+            float tmp[TR];
+            _mm256_storeu_ps(tmp, acc[mi][0]);
+            _mm256_storeu_ps(tmp + 8, acc[mi][1]);
+            memcpy(yr, tmp, (size_t)left * sizeof(float));
+        }
+    }
+}
+#endif
+
+int ns_int4_tiled_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes,
+                         const void *scale, const void *low, int scale_f16, int64_t group,
+                         int64_t N, float *y, int nthreads) {
+    if (K % QK || group % QK || K % group) return -2;
+    Acts a;
+    if (quantize_acts(x, M, K, &a, nthreads)) {
+        free_acts(&a);
+        return -1;
+    }
+    const int64_t tiles = (N + TR - 1) / TR, tile_bytes = (K / QK) * TR * 16;
+    /* contiguous runs of tiles per thread: each streams one sequential stretch of the weights */
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *tile = codes + t * tile_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += TMB) {
+            const int mb = (int)(M - m0 < TMB ? M - m0 : TMB);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+            /* constant row counts and scale type, so the accumulators live in registers */
+#define CALL(MB)                                                                              \
+    if (scale_f16) int4_tile16_avx512(&a, m0, MB, K, tile, scale, low, 1, group, t, N, y);     \
+    else int4_tile16_avx512(&a, m0, MB, K, tile, scale, low, 0, group, t, N, y)
+            switch (mb) {
+            case 4: CALL(4); break;
+            case 3: CALL(3); break;
+            case 2: CALL(2); break;
+            default: CALL(1); break;
+            }
+#undef CALL
+#elif defined(__AVX2__)
+#define CALL(MB)                                                                              \
+    if (scale_f16) int4_tile16_avx2(&a, m0, MB, K, tile, scale, low, 1, group, t, N, y);       \
+    else int4_tile16_avx2(&a, m0, MB, K, tile, scale, low, 0, group, t, N, y)
+            switch (mb) {
+            case 4: CALL(4); break;
+            case 3: CALL(3); break;
+            case 2: CALL(2); break;
+            default: CALL(1); break;
+            }
+#undef CALL
+#else
+            int4_tile16_scalar(&a, m0, mb, K, tile, scale, low, scale_f16, group, t, N, y);
+#endif
+        }
     }
     free_acts(&a);
     return 0;

@@ -18,6 +18,7 @@ from engine.attention.kv_quant import LayerKVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import SINGLE, TensorParallel
+from engine.kernels.cpu_decode import DecodeStep
 from engine.errors import ModelLoadError
 from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
@@ -77,9 +78,14 @@ class LlamaModel:
         else:
             self.lm_head = _take(weights, "lm_head.weight")
         device = self.norm.device
-        self.cos_sin = cos_sin_cache(config.rope, config.head_dim, max_positions).to(device)
+        self.cos_sin = (
+            cos_sin_cache(config.rope, config.head_dim, max_positions).to(device).contiguous()
+        )
         self.q_size = self.num_heads * config.head_dim
         self.kv_size = self.num_kv_heads * config.head_dim
+        # A decode step as one compiled call where the model is int4 on the CPU (None: layer
+        # by layer below). Set by the loader once the weights are final (quantized).
+        self.decode_step: DecodeStep | None = None
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -119,8 +125,12 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         cfg, ops = self.config, self.ops
-        rotary = ops.rotary_inputs(positions, self.cos_sin, self.dtype)
         hidden = self._embed(input_ids)
+        if self.decode_step is not None:
+            out = self.decode_step.run(hidden, positions, kv_caches, meta)
+            if out is not None:
+                return out
+        rotary = ops.rotary_inputs(positions, self.cos_sin, self.dtype)
         residual = hidden
         for i, layer in enumerate(self.layers):
             if i == 0:

@@ -10,6 +10,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
+from engine.kernels.cpu_decode import DecodeStep
 from engine.models.llama import LlamaModel
 from engine.models.model_config import ModelConfig, load_model_config
 from engine.models.sharding import ShardPlan
@@ -110,6 +111,7 @@ def load_model(
     del weights  # the float projections go once quantized
     if quantization is not None:
         quantize_model(model, quantization, group_size)
+    model.decode_step = DecodeStep.of(model)
     return model
 
 

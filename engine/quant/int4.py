@@ -3,15 +3,18 @@
 (low = -8 scale) and asymmetric int4 alike.
 
 Stored packed two codes a byte along the input (the even input in the low nibble), what the
-quantized folder writes (engine/quant/checkpoint.py). The CPU matmul is torch's
-`_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input dtype on this CPU:
-float32 runs 30x slower), which wants its own blocked layout, made once at first use, and
-(scale, zero) pairs with w = (q - 8) scale + zero, so zero = low + 8 scale. It was chosen by
-measurement over our compiled kernel (engine/kernels/cpu_quant.py: int8 activations, integer
-dot products), which streams the default model's 120 int4 projections in 5.1-5.5 ms a token
-against torch's 4.1, and is 1.7-2x slower from 2 rows up (docs/PERFORMANCE.md); ours runs the
-shapes torch's does not take (rows not in 16s). On a GPU it is the Triton W4A16 kernel
-(engine/kernels/quant_matmul.py) on the stored layout."""
+quantized folder writes (engine/quant/checkpoint.py). The CPU matmul, with float32 activations,
+is chosen by measurement (docs/PERFORMANCE.md, "int4 matmuls on the CPU"):
+- where our compiled kernel is built with AVX512-VNNI, ours on a row-tiled copy of the codes
+  (engine/kernels/cpu_quant_matmul.c, ns_int4_tiled_matmul: int8 activations, 16 weight rows a
+  vpdpbusd), 1.3-2x faster than torch's at every row count from 1 to 128 on the default model's
+  shapes;
+- elsewhere torch's `_weight_int4pack_mm_for_cpu` on bfloat16 activations (its only fast input
+  dtype: float32 runs 30x slower) on its own blocked layout, and our kernel on the stored layout
+  for the shapes torch's does not take (rows not in 16s).
+Either CPU layout is made once at first use and then is the only copy of the codes (`stored`
+reads them back). On a GPU it is the Triton W4A16 kernel (engine/kernels/quant_matmul.py) on the
+stored layout."""
 
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ class Int4Weight:
     low: torch.Tensor  # float32 [out, in // group]
     group: int
     _cpu: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # (tiles, scale, low) of tile_codes, for our AVX512-VNNI kernel
+    _tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
+        default=None, repr=False
+    )
     _kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +68,8 @@ class Int4Weight:
         """The codes in the stored layout ([out, in // 2], even input in the low nibble)."""
         if self.packed is not None:
             return self.packed
+        if self._tiled is not None:
+            return pack_codes(untile_codes(self._tiled[0], *self.shape))
         return pack_codes(_from_cpu_layout(self._cpu[0], *self.shape))
 
     @property
@@ -82,20 +91,31 @@ class Int4Weight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         flat = ids.flatten()
-        part = Int4Weight(self.stored()[flat], self.scale[flat], self.low[flat], self.group)
+        if self.packed is None and self._tiled is not None:
+            # only the looked-up rows out of their tiles, not the whole table
+            cols = self.shape[1]
+            tiles = self._tiled[0].view(-1, cols // 32, 4, 16, 4)[flat // 16]  # n, b, j, r, k
+            picked = tiles[torch.arange(len(flat)), :, :, flat % 16]  # n, b, j, k
+            q = torch.stack([picked & 15, picked >> 4], dim=2).view(len(flat), cols)
+            stored = pack_codes(q)
+        else:
+            stored = self.stored()[flat]
+        part = Int4Weight(stored, self.scale[flat], self.low[flat], self.group)
         return part.dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32:
+            if self.tiled_kernel_fits():
+                tiles, scale, low = self.tiled_layout()
+                y = cpu_quant.int4_tiled_matmul(
+                    x.contiguous(), tiles, scale, low, self.group, self.shape[0]
+                )
+                return y if bias is None else y + bias
         if x.device.type == "cpu" and x.dim() == 2 and self._cpu_kernel_fits():
             packed, scale_zero = self._cpu_layout()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x.to(torch.bfloat16), packed, self.group, scale_zero
             ).to(x.dtype)
-            return y if bias is None else y + bias
-        if x.device.type == "cpu" and x.dim() == 2 and self._own_kernel_fits(x):
-            # rows not in 16s (torch's kernel's constraint): ours, on the stored layout
-            scale, low = self._scales_for_kernel()
-            y = cpu_quant.int4_matmul(x.contiguous(), self.stored(), scale, low, self.group)
             return y if bias is None else y + bias
         if x.is_cuda and x.dim() == 2:
             from engine.kernels.quant_matmul import w4a16_matmul
@@ -104,12 +124,24 @@ class Int4Weight:
             return y if bias is None else y + bias
         return torch.nn.functional.linear(x, self.dequantize(x.dtype), bias)
 
-    def _own_kernel_fits(self, x: torch.Tensor) -> bool:
-        return (
-            x.dtype == torch.float32
-            and cpu_quant.fits(self.shape[1], self.group, "int4")
-            and cpu_quant.available()
-        )
+    def tiled_kernel_fits(self) -> bool:
+        """Whether float32 CPU activations go to our row-tiled kernel (tiled_layout): where it
+        is built with AVX512-VNNI (measured faster than torch's at every row count), or for
+        the shapes torch's kernel does not take (rows not in 16s, groups under 32)."""
+        if self._tiled is not None:
+            return True
+        if self._cpu is not None or self.device.type != "cpu":
+            return False  # torch's layout, once made, holds the only copy of the codes
+        if not (cpu_quant.fits(self.shape[1], self.group, "int4") and cpu_quant.available()):
+            return False
+        return cpu_quant.isa() == "avx512-vnni" or not self._cpu_kernel_fits()
+
+    def tiled_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._tiled is None:
+            scale, low = self._scales_for_kernel()
+            self._tiled = tile_codes(self.codes(), scale, low, self.group)
+            self.packed = None  # one copy of the codes in memory, the one the kernel reads
+        return self._tiled
 
     def _scales_for_kernel(self) -> tuple[torch.Tensor, torch.Tensor]:
         # float16 halves the bytes the scales add (8 -> 4 per group) where it changes nothing:
@@ -123,7 +155,7 @@ class Int4Weight:
 
     def _cpu_kernel_fits(self) -> bool:
         # The kernel's own constraints: rows in blocks of 16, groups of 32 or more.
-        return self.shape[0] % 16 == 0 and self.group >= 32
+        return self._tiled is None and self.shape[0] % 16 == 0 and self.group >= 32
 
     def _cpu_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cpu is None:
@@ -209,3 +241,34 @@ def quantize_int4(w: torch.Tensor, group: int = 32) -> Int4Weight:
     scale = ((high - low) / 15).clamp_min(1e-12)
     q = torch.round((g - low[..., None]) / scale[..., None]).clamp_(0, 15)
     return Int4Weight(pack_codes(q.view(out, cols)), scale, low, group)
+
+
+def tile_codes(
+    codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row-tiled layout of engine/kernels/cpu_quant_matmul.c's ns_int4_tiled_matmul from
+    codes uint8 [N, K] in [0, 15] and scale, low [N, K / group]: tiles uint8 [T, K / 32 * 256]
+    (T = ceil(N / 16), rows past N zero), scale and low [T, K / group, 16]. Byte (j, r, k) of
+    tile t, block b: row 16t + r's inputs 32b + 4j + k (low nibble) and 32b + 16 + 4j + k
+    (high)."""
+    n, k = codes.shape
+    tiles = -(-n // 16)
+    pad = tiles * 16 - n
+    q = torch.nn.functional.pad(codes.to(torch.uint8), (0, 0, 0, pad))
+    q = q.view(tiles, 16, k // 32, 2, 4, 4)  # t, r, b, half, j, k
+    byte = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # t, r, b, j, k
+    packed = byte.permute(0, 2, 3, 1, 4).contiguous().view(tiles, -1)  # t, b, j, r, k
+
+    def per_tile(s: torch.Tensor) -> torch.Tensor:
+        s = torch.nn.functional.pad(s, (0, 0, 0, pad))
+        return s.view(tiles, 16, k // group).transpose(1, 2).contiguous()
+
+    return packed, per_tile(scale), per_tile(low)
+
+
+def untile_codes(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """uint8 [rows, cols] codes back from tile_codes' layout."""
+    t = tiles.view(tiles.shape[0], cols // 32, 4, 16, 4)  # t, b, j, r, k
+    q = torch.stack([t & 15, t >> 4], dim=2)  # t, b, half, j, r, k
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(-1, cols)  # t, r, b, half, j, k
+    return q[:rows].contiguous()

@@ -4,10 +4,10 @@ Per output channel (group = the input width) is what `--quantization int8` makes
 are what a GGUF's Q8_0 blocks hold, 16 its Q6_K's (loaded as they are,
 engine/quant/gguf_blocks.py).
 
-The matmul on CPU with float32 activations, where switched on (NIGHTSHIFT_CPU_QUANT_KERNEL=1,
-opt-in for now), is our compiled kernel (engine/kernels/cpu_quant.py, int8 x int8 dot products
-in blocks of 32, as llama.cpp's Q8_0 x Q8_0), which takes every one of these groupings as
-stored. Otherwise it is torch's
+The matmul on CPU with float32 activations is our compiled kernel (engine/kernels/cpu_quant.py,
+int8 x int8 dot products in blocks of 32, as llama.cpp's Q8_0 x Q8_0), which takes every one of
+these groupings as stored. Without it (no compiler, or NIGHTSHIFT_CPU_QUANT_KERNEL=0) it is
+torch's
 `_weight_int8pack_mm` with bfloat16 activations, which takes one scale per row: grouped codes
 are requantized per channel for it, once (see _torch_matmul). On a GPU it is the Triton W8A16
 kernel (engine/kernels/quant_matmul.py)."""

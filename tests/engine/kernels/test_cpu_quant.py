@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_quant
-from engine.quant.int4 import quantize_int4
+from engine.quant.int4 import quantize_int4, tile_codes, untile_codes
 from engine.quant.int8 import quantize_int8
 
 MARCHES = ["native", "x86-64-v3", "x86-64"] if platform.machine() == "x86_64" else ["native"]
@@ -67,6 +67,13 @@ def int8_reference(x: torch.Tensor, w) -> torch.Tensor:
     return (prod * scale[None] * d.double()[:, None, :, None]).sum((-1, -2)).float()
 
 
+def int4(kernel, x: torch.Tensor, w, scale=None, low=None) -> torch.Tensor:
+    """The kernel on w's codes, tiled (its only int4 layout)."""
+    tiles, s, lo = tile_codes(w.codes(), w.scale if scale is None else scale,
+                              w.low if low is None else low, w.group)  # fmt: skip
+    return kernel.int4_tiled_matmul(x, tiles, s, lo, w.group, w.shape[0])
+
+
 def close(y: torch.Tensor, ref: torch.Tensor) -> None:
     assert y.shape == ref.shape
     err = (y - ref).abs().max().item()
@@ -74,12 +81,26 @@ def close(y: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @needs_compiler
-@pytest.mark.parametrize("m", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("n,k,group", [(48, 64, 32), (37, 128, 64), (7, 256, 128), (20, 96, 32)])
 def test_int4_matches_exact_reference(kernel, m, n, k, group):
+    # rows past a multiple of 16 (37, 7, 20) are a tile's padding; 9 activation rows are two
+    # passes of four and one of one
     torch.manual_seed(m * 1000 + n)
     w, x = quantize_int4(torch.randn(n, k), group), torch.randn(m, k)
-    close(kernel.int4_matmul(x, w.packed, w.scale, w.low, group), int4_reference(x, w))
+    close(int4(kernel, x, w), int4_reference(x, w))
+
+
+@pytest.mark.parametrize("n,k", [(16, 64), (37, 128), (5, 32)])
+def test_tiled_layout_round_trips(n, k):
+    w = quantize_int4(torch.randn(n, k), 32)
+    tiles, scale, low = tile_codes(w.codes(), w.scale, w.low, 32)
+    assert tiles.shape == (-(-n // 16), k // 32 * 256)
+    assert scale.shape == low.shape == (-(-n // 16), k // 32, 16)
+    assert torch.equal(untile_codes(tiles, n, k), w.codes())
+    # byte (j, r, k) of tile 0, block 0: row r's inputs 4j + k (low) and 16 + 4j + k (high)
+    codes = w.codes()
+    assert tiles[0, (2 * 16 + 3) * 4 + 1] == codes[3, 9] | (codes[3, 25] << 4)
 
 
 @needs_compiler
@@ -87,8 +108,7 @@ def test_int4_float16_scales_read_as_float16(kernel):
     torch.manual_seed(1)
     w, x = quantize_int4(torch.randn(64, 128), 32), torch.randn(3, 128)
     w.scale, w.low = w.scale.half().float(), w.low.half().float()  # representable exactly
-    y = kernel.int4_matmul(x, w.packed, w.scale.half(), w.low.half(), 32)
-    close(y, int4_reference(x, w))
+    close(int4(kernel, x, w, w.scale.half(), w.low.half()), int4_reference(x, w))
 
 
 @needs_compiler
@@ -109,7 +129,7 @@ def test_zero_and_extreme_activations(kernel):
     x[1, 32] = -3.0
     close(kernel.int8_matmul(x, w.q, w.scale, w.group), int8_reference(x, w))
     w4 = quantize_int4(torch.randn(16, 64), 32)
-    close(kernel.int4_matmul(x, w4.packed, w4.scale, w4.low, 32), int4_reference(x, w4))
+    close(int4(kernel, x, w4), int4_reference(x, w4))
 
 
 @needs_compiler
@@ -119,9 +139,9 @@ def test_thread_counts_agree():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernel.int4_matmul(x, w.packed, w.scale, w.low, 32)
+        one = int4(kernel, x, w)
         torch.set_num_threads(2)
-        two = kernel.int4_matmul(x, w.packed, w.scale, w.low, 32)
+        two = int4(kernel, x, w)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # rows are split between threads, never a sum
@@ -138,31 +158,39 @@ def test_shapes_it_does_not_take_are_refused(kernel):
 
 @pytest.fixture
 def kernel_on(monkeypatch):
-    """The kernel switched on (NIGHTSHIFT_CPU_QUANT_KERNEL=1) for this test only."""
-    monkeypatch.setenv("NIGHTSHIFT_CPU_QUANT_KERNEL", "1")
-    monkeypatch.setattr(cpu_quant, "_tried", False)
-    monkeypatch.setattr(cpu_quant, "_default", None)
-
-
-def test_off_unless_asked_for(monkeypatch):
+    """The kernel loaded afresh for this test (and again after it), as the process would."""
     monkeypatch.delenv("NIGHTSHIFT_CPU_QUANT_KERNEL", raising=False)
-    monkeypatch.setattr(cpu_quant, "_tried", False)
-    monkeypatch.setattr(cpu_quant, "_default", None)
+    cpu_quant._loaded.forget()
+    yield
+    cpu_quant._loaded.forget()
+
+
+def test_on_unless_switched_off(monkeypatch, kernel_on):
+    monkeypatch.setenv("NIGHTSHIFT_CPU_QUANT_KERNEL", "0")
     assert not cpu_quant.available()
+    w, x = quantize_int4(torch.randn(64, 128), 32), torch.randn(2, 128)
+    assert not w.tiled_kernel_fits()  # torch's kernel
+    ref = x @ w.dequantize().t()
+    assert (w.linear(x) - ref).norm() / ref.norm() < 0.02
 
 
 @needs_compiler
 def test_quantized_linear_uses_it_where_chosen_and_stays_close_to_float(kernel_on):
-    # Int8Weight.linear on float32 CPU activations goes through the kernel; Int4Weight only for
-    # rows not in 16s (torch's int4 kernel measured faster where it fits, engine/quant/int4.py).
+    # Int8Weight.linear on float32 CPU activations goes through the kernel; Int4Weight too where
+    # it is built with AVX512-VNNI (measured faster than torch's at every row count), elsewhere
+    # only for rows not in 16s (torch's kernel's constraint).
     assert cpu_quant.available(), "the default build should load on this machine"
     torch.manual_seed(3)
     x = torch.randn(3, 256)
     w8 = quantize_int8(torch.randn(64, 256), 32)
     assert torch.equal(w8.linear(x), cpu_quant.int8_matmul(x, w8.q, w8.scale, 32))
     w4 = quantize_int4(torch.randn(40, 256), 32)  # 40 rows: not torch's kernel's
-    assert torch.equal(w4.linear(x), cpu_quant.int4_matmul(x, w4.packed, w4.scale, w4.low, 32))
-    for w in (w8, w4, quantize_int4(torch.randn(64, 256), 32)):
+    expected = int4(cpu_quant._kernel(), x, w4)
+    assert torch.equal(w4.linear(x), expected)
+    assert w4.packed is None  # the tiles are the only copy of the codes now
+    w64 = quantize_int4(torch.randn(64, 256), 32)
+    assert w64.tiled_kernel_fits() == (cpu_quant.isa() == "avx512-vnni")
+    for w in (w8, w4, w64):
         ref = x @ w.dequantize().t()
         assert (w.linear(x) - ref).norm() / ref.norm() < 0.02
 
