@@ -147,8 +147,8 @@ EmailToOpt = Annotated[
     str | None,
     typer.Option(
         envvar="NIGHTSHIFT_DIGEST_EMAIL_TO",
-        help="Email the digest to these addresses (comma-separated) over SMTP with STARTTLS; "
-        "server and login from NIGHTSHIFT_SMTP_* (docs/OPERATIONS.md).",
+        help="Email the digest to these addresses (comma-separated) over SMTP with STARTTLS "
+        "or implicit TLS; server, TLS and login from NIGHTSHIFT_SMTP_* (docs/OPERATIONS.md).",
     ),
 ]
 WebhookOpt = Annotated[

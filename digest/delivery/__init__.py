@@ -1,4 +1,4 @@
-"""Sending a stored digest to its readers: by email (SMTP, STARTTLS) and by webhook.
+"""Sending a stored digest to its readers: by email (SMTP over TLS) and by webhook.
 
 `deliver` runs at the end of `digest run` (and `digest schedule`'s nights), after the pages are
 written, and by `digest deliver --date D`. Each target's attempt is recorded in the store with

@@ -1,9 +1,11 @@
-"""Email delivery over SMTP with STARTTLS and authentication, configured from the environment.
+"""Email delivery over SMTP with TLS and authentication, configured from the environment.
 
-The connection is always upgraded with STARTTLS before AUTH and before any message is sent: a
-server that does not offer it is refused rather than sent the password and the digest in clear.
-The server's certificate is verified (the system's CAs, or NIGHTSHIFT_SMTP_CA_FILE for a relay
-with a private CA)."""
+Two ways to TLS, NIGHTSHIFT_SMTP_TLS: "starttls" (port 587, submission) upgrades the connection
+with STARTTLS before AUTH and before any message is sent, and a server that does not offer it is
+refused rather than sent the password and the digest in clear; "implicit" (port 465,
+submissions, RFC 8314) speaks TLS from the first byte, so a server that does not is a failed
+handshake, never a fallback to clear. Either way the server's certificate is verified (the
+system's CAs, or NIGHTSHIFT_SMTP_CA_FILE for a relay with a private CA)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from email.message import EmailMessage
 from pathlib import Path
+from typing import Literal, get_args
 
-DEFAULT_PORT = 587  # submission (RFC 6409), where STARTTLS is the rule
+SmtpTls = Literal["starttls", "implicit"]
+# The port each way to TLS is served on: submission (RFC 6409), where STARTTLS is the rule, and
+# submissions (RFC 8314), TLS from the connection's start.
+DEFAULT_PORTS: dict[SmtpTls, int] = {"starttls": 587, "implicit": 465}
 
 
 class DeliveryConfigError(ValueError):
@@ -35,18 +41,22 @@ class SmtpSettings:
     password: str | None = None
     ca_file: Path | None = None
     timeout_s: float = 60.0
+    tls: SmtpTls = "starttls"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SmtpSettings:
-        """NIGHTSHIFT_SMTP_HOST (required), _PORT (587), _USER and _PASSWORD (both or neither),
-        _FROM (default: the user), _CA_FILE (optional)."""
+        """NIGHTSHIFT_SMTP_HOST (required), _TLS (starttls or implicit; default implicit when
+        the port is 465, else starttls), _PORT (587, or 465 for implicit), _USER and _PASSWORD
+        (both or neither), _FROM (default: the user), _CA_FILE (optional)."""
         env = os.environ if env is None else env
         host = env.get("NIGHTSHIFT_SMTP_HOST", "").strip()
         if not host:
             raise DeliveryConfigError("email delivery needs NIGHTSHIFT_SMTP_HOST (the SMTP server)")
-        raw_port = env.get("NIGHTSHIFT_SMTP_PORT", str(DEFAULT_PORT)).strip()
-        if not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535:
+        raw_port = (env.get("NIGHTSHIFT_SMTP_PORT") or "").strip()
+        if raw_port and (not raw_port.isdigit() or not 1 <= int(raw_port) <= 65535):
             raise DeliveryConfigError(f"NIGHTSHIFT_SMTP_PORT must be 1-65535, not {raw_port!r}")
+        tls = _tls_mode(env.get("NIGHTSHIFT_SMTP_TLS"), int(raw_port) if raw_port else None)
+        port = int(raw_port) if raw_port else DEFAULT_PORTS[tls]
         user = env.get("NIGHTSHIFT_SMTP_USER") or None
         password = env.get("NIGHTSHIFT_SMTP_PASSWORD") or None
         if (user is None) != (password is None):
@@ -61,7 +71,20 @@ class SmtpSettings:
         ca = env.get("NIGHTSHIFT_SMTP_CA_FILE") or None
         if ca is not None and not Path(ca).is_file():
             raise DeliveryConfigError(f"NIGHTSHIFT_SMTP_CA_FILE: no file {ca!r}")
-        return cls(host, int(raw_port), sender, user, password, Path(ca) if ca else None)
+        return cls(host, port, sender, user, password, Path(ca) if ca else None, tls=tls)
+
+
+def _tls_mode(raw: str | None, port: int | None) -> SmtpTls:
+    """The way to TLS asked for; unset, the one port 465 implies (nothing else is served
+    there), else STARTTLS."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return "implicit" if port == DEFAULT_PORTS["implicit"] else "starttls"
+    if value not in get_args(SmtpTls):
+        raise DeliveryConfigError(
+            f"NIGHTSHIFT_SMTP_TLS must be starttls (port 587) or implicit (port 465), not {raw!r}"
+        )
+    return value  # type: ignore[return-value]
 
 
 def check_recipients(recipients: list[str]) -> list[str]:
@@ -75,16 +98,14 @@ def check_recipients(recipients: list[str]) -> list[str]:
 
 
 def send_email(settings: SmtpSettings, message: EmailMessage, recipients: list[str]) -> None:
-    """Send over STARTTLS (with AUTH when a user is set); DeliveryError says what failed."""
+    """Send over TLS, implicit or by STARTTLS (with AUTH when a user is set); DeliveryError
+    says what failed."""
     where = f"SMTP {settings.host}:{settings.port}"
+    if settings.tls == "implicit":
+        where += " (implicit TLS)"
     context = ssl.create_default_context(cafile=str(settings.ca_file) if settings.ca_file else None)
     try:
-        with smtplib.SMTP(settings.host, settings.port, timeout=settings.timeout_s) as smtp:
-            smtp.ehlo()
-            if not smtp.has_extn("starttls"):
-                raise DeliveryError(f"{where} does not offer STARTTLS; refusing to send in clear")
-            smtp.starttls(context=context)
-            smtp.ehlo()
+        with _connect(settings, context, where) as smtp:
             if settings.username is not None:
                 smtp.login(settings.username, settings.password or "")
             refused = smtp.send_message(message, settings.sender, recipients)
@@ -101,6 +122,27 @@ def send_email(settings: SmtpSettings, message: EmailMessage, recipients: list[s
     if refused:
         names = ", ".join(sorted(refused))
         raise DeliveryError(f"{where}: the server refused some recipients: {names}")
+
+
+def _connect(settings: SmtpSettings, context: ssl.SSLContext, where: str) -> smtplib.SMTP:
+    """A connection that is TLS before anything secret is said: TLS from the start, or
+    upgraded by STARTTLS (refused where the server does not offer it)."""
+    host, port, timeout = settings.host, settings.port, settings.timeout_s
+    if settings.tls == "implicit":
+        smtp = smtplib.SMTP_SSL(host, port, timeout=timeout, context=context)
+    else:
+        smtp = smtplib.SMTP(host, port, timeout=timeout)
+    try:
+        smtp.ehlo()
+        if settings.tls == "starttls":
+            if not smtp.has_extn("starttls"):
+                raise DeliveryError(f"{where} does not offer STARTTLS; refusing to send in clear")
+            smtp.starttls(context=context)
+            smtp.ehlo()
+    except BaseException:
+        smtp.close()
+        raise
+    return smtp
 
 
 def _reply(exc: smtplib.SMTPException) -> str:

@@ -23,6 +23,7 @@ from cryptography.x509.oid import NameOID
 from typer.testing import CliRunner
 
 from digest.delivery import delivery_config
+from digest.delivery.smtp_email import SmtpSettings
 from digest.latex_text import latex_to_text
 from digest.pipeline import run_digest
 from digest.store.database import open_database
@@ -74,7 +75,8 @@ class Mailbox:
         self.logins: list[tuple[str, str]] = []
 
     async def handle_DATA(self, server, session, envelope) -> str:  # noqa: N802
-        tls = session.ssl is not None
+        # After STARTTLS aiosmtpd sets session.ssl; with implicit TLS the socket itself is TLS.
+        tls = session.ssl is not None or server.transport.get_extra_info("ssl_object") is not None
         self.messages.append((list(envelope.rcpt_tos), envelope.original_content, tls))
         return "250 OK"
 
@@ -118,6 +120,41 @@ def smtp_server(tmp_path):
     env = {
         "NIGHTSHIFT_SMTP_HOST": "127.0.0.1",
         "NIGHTSHIFT_SMTP_PORT": str(port),
+        "NIGHTSHIFT_SMTP_USER": USER,
+        "NIGHTSHIFT_SMTP_PASSWORD": PASSWORD,
+        "NIGHTSHIFT_SMTP_CA_FILE": str(cert),
+    }
+    try:
+        yield mailbox, env
+    finally:
+        controller.stop()
+
+
+@pytest.fixture
+def implicit_tls_server(tmp_path):
+    """An SMTP server that speaks TLS from the first byte (port 465's way, RFC 8314) and
+    requires AUTH, on 127.0.0.1; yields (mailbox, env)."""
+    cert, key = _certificate(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    mailbox = Mailbox()
+    port = _free_port()
+    controller = Controller(
+        mailbox,
+        hostname="127.0.0.1",
+        port=port,
+        ssl_context=context,
+        auth_required=True,
+        # aiosmtpd counts only STARTTLS as TLS; this socket is TLS throughout.
+        auth_require_tls=False,
+        authenticator=mailbox.authenticate,
+        ready_timeout=READY_S,
+    )
+    controller.start()
+    env = {
+        "NIGHTSHIFT_SMTP_HOST": "127.0.0.1",
+        "NIGHTSHIFT_SMTP_PORT": str(port),
+        "NIGHTSHIFT_SMTP_TLS": "implicit",
         "NIGHTSHIFT_SMTP_USER": USER,
         "NIGHTSHIFT_SMTP_PASSWORD": PASSWORD,
         "NIGHTSHIFT_SMTP_CA_FILE": str(cert),
@@ -239,6 +276,82 @@ def test_a_server_without_starttls_is_refused_before_the_password(tmp_path, sqli
     assert mailbox.messages == [] and mailbox.logins == []
 
 
+# aiosmtpd warns on AUTH without STARTTLS; the implicit-TLS server's socket is TLS throughout.
+_AUTH_OVER_IMPLICIT_TLS = pytest.mark.filterwarnings("ignore:Requiring AUTH while not requiring")
+
+
+@_AUTH_OVER_IMPLICIT_TLS
+def test_a_run_mails_the_digest_over_implicit_tls(tmp_path, sqlite_url, implicit_tls_server,
+                                                 monkeypatch):  # fmt: skip
+    """NIGHTSHIFT_SMTP_TLS=implicit: TLS from the first byte, the certificate checked, then AUTH
+    and the message; once, and a rerun skips the sent target."""
+    mailbox, env = implicit_tls_server
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = delivery_config(["reader@example.org"], None, None)
+    assert config.smtp.tls == "implicit"
+    with FaultServer() as stub:
+        run = options(tmp_path, sqlite_url, stub.base_url, delivery=config)
+        report = run_digest(run)
+        assert report.deliveries == ["delivery by email to reader@example.org: sent"]
+        assert run_digest(run).deliveries[0].endswith("skipped: already sent")
+    assert mailbox.logins == [(USER, PASSWORD)]
+    ((recipients, raw, tls),) = mailbox.messages
+    assert recipients == ["reader@example.org"] and tls
+    _, text, html = _parts(raw)
+    assert latex_to_text(TITLES[1]) in text and "<html" in html
+
+
+@_AUTH_OVER_IMPLICIT_TLS
+def test_implicit_tls_never_falls_back_to_clear(tmp_path, sqlite_url, implicit_tls_server,
+                                                monkeypatch):  # fmt: skip
+    """Against a plain SMTP server, or one whose certificate the CA file does not vouch for,
+    the handshake fails and nothing is said: no password, no message."""
+    tls_mailbox, env = implicit_tls_server
+    plain = Mailbox()
+    port = _free_port()
+    controller = Controller(plain, hostname="127.0.0.1", port=port, ready_timeout=READY_S)
+    controller.start()
+    (tmp_path / "other").mkdir()
+    other_ca, _ = _certificate(tmp_path / "other")  # a CA that did not sign the server's
+    try:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_PORT", str(port))
+        to_plain = delivery_config(["reader@example.org"], None, None)
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_PORT", env["NIGHTSHIFT_SMTP_PORT"])
+        monkeypatch.setenv("NIGHTSHIFT_SMTP_CA_FILE", str(other_ca))
+        untrusted = delivery_config(["reader@example.org"], None, None)
+        with FaultServer() as stub:
+            first = run_digest(options(tmp_path, sqlite_url, stub.base_url, delivery=to_plain))
+            second = run_digest(options(tmp_path, sqlite_url, stub.base_url, delivery=untrusted))
+    finally:
+        controller.stop()
+    for report in (first, second):
+        assert report.delivery_failed and report.exit_code == 1 and report.status == "succeeded"
+        assert "(implicit TLS): TLS failed" in report.deliveries[0], report.deliveries
+    assert "CERTIFICATE_VERIFY_FAILED" in second.deliveries[0]
+    assert plain.messages == plain.logins == tls_mailbox.messages == tls_mailbox.logins == []
+
+
+@pytest.mark.parametrize(
+    ("port", "tls", "expected"),
+    [
+        (None, None, ("starttls", 587)),
+        ("465", None, ("implicit", 465)),
+        (None, "implicit", ("implicit", 465)),
+        ("2525", "IMPLICIT", ("implicit", 2525)),
+        ("465", "starttls", ("starttls", 465)),
+    ],
+)
+def test_the_way_to_tls_and_its_port(port, tls, expected):
+    env = {"NIGHTSHIFT_SMTP_HOST": "mail", "NIGHTSHIFT_SMTP_FROM": "d@x.org"}
+    env |= {"NIGHTSHIFT_SMTP_PORT": port} if port else {}
+    env |= {"NIGHTSHIFT_SMTP_TLS": tls} if tls else {}
+    settings = SmtpSettings.from_env(env)
+    assert (settings.tls, settings.port) == expected
+
+
 @pytest.mark.parametrize(
     ("env", "problem"),
     [
@@ -250,12 +363,15 @@ def test_a_server_without_starttls_is_refused_before_the_password(tmp_path, sqli
         ({"NIGHTSHIFT_SMTP_HOST": "mail"}, "NIGHTSHIFT_SMTP_FROM must be an email address"),
         ({"NIGHTSHIFT_SMTP_HOST": "mail", "NIGHTSHIFT_SMTP_FROM": "d@x.org",
           "NIGHTSHIFT_SMTP_CA_FILE": "/nonexistent/ca.pem"}, "NIGHTSHIFT_SMTP_CA_FILE: no file"),
+        ({"NIGHTSHIFT_SMTP_HOST": "mail", "NIGHTSHIFT_SMTP_FROM": "d@x.org",
+          "NIGHTSHIFT_SMTP_TLS": "ssl"}, "NIGHTSHIFT_SMTP_TLS must be starttls (port 587) or "
+         "implicit (port 465), not 'ssl'"),
     ],
 )  # fmt: skip
 def test_bad_smtp_settings_are_one_line_and_exit_2_before_any_work(
     tmp_path, sqlite_url, monkeypatch, env, problem
 ):
-    for name in ("HOST", "PORT", "USER", "PASSWORD", "FROM", "CA_FILE"):
+    for name in ("HOST", "PORT", "USER", "PASSWORD", "FROM", "CA_FILE", "TLS"):
         monkeypatch.delenv(f"NIGHTSHIFT_SMTP_{name}", raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
