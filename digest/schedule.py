@@ -6,7 +6,13 @@ firings coalesce into one run. Two schedulers (a standby, a second host) are saf
 the job lock in the database, and the one that finds it held skips.
 
 SIGTERM (systemd's stop) or Ctrl-C ends the scheduler with exit 0. A run in progress is abandoned,
-not awaited: every result is already stored, so the next run of that date does only what is left."""
+not awaited: every result is already stored, so the next run of that date does only what is left.
+
+A night whose delivery failed (the mail server down, a webhook answering 500) is delivered again
+by one-off jobs at the times digest/delivery/retry.py reads from the deliveries table: bounded
+attempts with a doubling wait, each under the job lock, sending only the stored digest to the
+targets that have not received it. A scheduler started again picks up the newest night's
+retries where the table left them."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from apscheduler.schedulers.blocking import BlockingScheduler
 from apscheduler.triggers.cron import CronTrigger
 
+from digest.delivery.retry import DeliveryRetries, RetryPolicy
 from digest.pipeline import RunHandle, RunOptions, run_digest
 from digest.run_report import RunReport
 from digest.store.job_lock import LockHeld
@@ -38,6 +45,7 @@ class ScheduleOptions:
     at: str = "02:00"  # HH:MM[:SS] local time
     timezone: str = "UTC"
     misfire_grace_s: int = 3600
+    delivery_retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 def parse_at(at: str) -> tuple[int, int, int]:
@@ -73,6 +81,7 @@ class NightlyJob:
     # Set while a run is in progress: a stop then exits without waiting for it.
     running: threading.Event = field(default_factory=threading.Event)
     current: RunHandle | None = None  # the run in progress, to end it on a stop
+    retries: DeliveryRetries | None = None  # a failed delivery's retries (build_scheduler)
 
     def __call__(self) -> RunReport | None:
         day = (self.today() if self.today else datetime.now(self.tz).date()) - timedelta(days=1)
@@ -92,21 +101,30 @@ class NightlyJob:
             self.current = None
         for line in report.lines():
             log.info("%s", line)
+        if report.delivery_failed and self.retries is not None:
+            try:
+                self.retries.arm(day)
+            except Exception:
+                log.exception("could not schedule the delivery retry of %s", day.isoformat())
         return report
 
 
 def nightly_job(
-    base: RunOptions, tz: ZoneInfo, today: Callable[[], date] | None = None
+    base: RunOptions,
+    tz: ZoneInfo,
+    today: Callable[[], date] | None = None,
+    retries: DeliveryRetries | None = None,
 ) -> NightlyJob:
-    return NightlyJob(base, tz, today)
+    return NightlyJob(base, tz, today, retries=retries)
 
 
 def build_scheduler(base: RunOptions, options: ScheduleOptions) -> BlockingScheduler:
     hour, minute, second = parse_at(options.at)
     tz = zone(options.timezone)
     scheduler = BlockingScheduler(timezone=tz)
+    retries = DeliveryRetries(base.db_url, base.delivery, options.delivery_retry, scheduler)
     scheduler.add_job(
-        nightly_job(base, tz),
+        nightly_job(base, tz, retries=retries),
         CronTrigger(hour=hour, minute=minute, second=second, timezone=tz),
         id="nightly-digest",
         name="nightly digest",
@@ -120,14 +138,18 @@ def build_scheduler(base: RunOptions, options: ScheduleOptions) -> BlockingSched
 def next_fire_time(scheduler: BlockingScheduler) -> datetime | None:
     """When the job fires next. A job added before start() has no `next_run_time` attribute in
     APScheduler 3.x (it is pending), so ask its trigger."""
-    (job,) = scheduler.get_jobs()
+    job = scheduler.get_job("nightly-digest")
     return job.trigger.get_next_fire_time(None, datetime.now(job.trigger.timezone))
 
 
 def run_scheduler(scheduler: BlockingScheduler) -> None:
     """Block until SIGTERM or Ctrl-C, then stop the scheduler."""
-    (job,) = scheduler.get_jobs()
-    nightly: NightlyJob = job.func
+    nightly: NightlyJob = scheduler.get_job("nightly-digest").func
+    if nightly.retries is not None:
+        try:
+            nightly.retries.arm_newest()
+        except Exception:  # the nights still run; their own failures are retried
+            log.exception("could not look for a delivery to retry")
 
     def on_sigterm(_signum: int, _frame: object) -> None:
         raise SystemExit(0)  # unwinds the scheduler's wait in the main thread

@@ -682,6 +682,7 @@ def digest_deliver(
     from digest.delivery import deliver
     from digest.store import migrate
     from digest.store.digest_store import DigestStore
+    from digest.store.job_lock import JobLock
 
     config = _delivery(email_to, webhook_url, site_url)
     if config is None:
@@ -696,7 +697,9 @@ def digest_deliver(
         if digest is None:
             what = f"no digest for {day.isoformat()}" if day else "no digest yet"
             raise LookupError(f"the store holds {what}; run `nightshift digest run` first")
-        return deliver(store, digest, config, again=again)
+        # Under the job lock, as a run's delivery and a scheduler's retry: never two sends at once.
+        with JobLock(engine):
+            return deliver(store, digest, config, again=again)
 
     outcomes = _guarded(send)
     for outcome in outcomes:
@@ -714,6 +717,23 @@ def digest_schedule(
     misfire_grace_time: Annotated[
         int, typer.Option(min=1, help="Seconds a missed run may still start late.")
     ] = 3600,
+    delivery_retries: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=100,
+            help="Times a night's failed delivery is tried again (0: never); recorded in the "
+            "deliveries table, so a restart continues the count.",
+        ),
+    ] = 4,
+    delivery_retry_wait: Annotated[
+        float,
+        typer.Option(
+            min=0.1,
+            max=86_400.0,
+            help="Seconds from a failed delivery to its first retry; doubled after each.",
+        ),
+    ] = 600.0,
     categories: CategoriesOpt = None,
     max_papers: MaxPapersOpt = None,
     source: SourceOpt = "arxiv",
@@ -745,6 +765,7 @@ def digest_schedule(
 ) -> None:
     """Run the digest every night at --at (what arXiv announced since the last run); runs until
     stopped."""
+    from digest.delivery.retry import RetryPolicy
     from digest.schedule import (
         ScheduleError,
         ScheduleOptions,
@@ -757,10 +778,12 @@ def digest_schedule(
     # A wrong database URL or output folder fails the start (exit 2), not every night at 02:00.
     _start_checks(options, threads)
     try:
-        scheduler = build_scheduler(options, ScheduleOptions(at, timezone, misfire_grace_time))
+        retry = RetryPolicy(delivery_retries, delivery_retry_wait)
+        schedule = ScheduleOptions(at, timezone, misfire_grace_time, retry)
+        scheduler = build_scheduler(options, schedule)
     except ScheduleError as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
-    (job,) = scheduler.get_jobs()
+    job = scheduler.get_job("nightly-digest")
     nxt = next_fire_time(scheduler)
     log.info("digest scheduler: %s; next run %s", job.trigger, nxt.isoformat() if nxt else None)
     run_scheduler(scheduler)

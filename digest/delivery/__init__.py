@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 
 from digest.delivery.message import email_message, slack_payload
 from digest.delivery.smtp_email import (
@@ -31,6 +32,7 @@ __all__ = [
     "DeliveryOutcome",
     "deliver",
     "delivery_config",
+    "target_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -73,13 +75,19 @@ def delivery_config(
 
 
 def deliver(
-    store: DigestStore, digest: DailyDigest, config: DeliveryConfig, again: bool = False
+    store: DigestStore,
+    digest: DailyDigest,
+    config: DeliveryConfig,
+    again: bool = False,
+    only: set[tuple[str, str]] | None = None,
 ) -> list[DeliveryOutcome]:
     """Send the digest to each configured target not yet served this version of it (`again`:
-    to every target)."""
+    to every target); `only`: just these (channel, target) of them (a retry's due ones)."""
     fingerprint = digest.fingerprint()
     outcomes = []
     for channel, target, send in _targets(digest, config):
+        if only is not None and (channel, target) not in only:
+            continue
         if not digest.done:
             outcomes.append(DeliveryOutcome(channel, target, "skipped", "no paper reviewed"))
             continue
@@ -99,23 +107,28 @@ def deliver(
     return outcomes
 
 
-def _targets(digest: DailyDigest, config: DeliveryConfig) -> list[tuple]:
-    targets = []
+def target_names(config: DeliveryConfig) -> list[tuple[str, str]]:
+    """(channel, target) of each configured target, as the deliveries table names them."""
+    names = []
     if config.email_to and config.smtp is not None:
-        smtp, recipients = config.smtp, config.email_to
-
-        def mail() -> None:
-            message = email_message(digest, smtp.sender, recipients, config.site_url)
-            send_email(smtp, message, recipients)
-
-        targets.append(("email", ", ".join(recipients), mail))
+        names.append(("email", ", ".join(config.email_to)))
     if config.webhook_url:
-        url = config.webhook_url
-        targets.append(
-            (
-                "webhook",
-                target_name(url),
-                lambda: post_webhook(url, slack_payload(digest, config.site_url)),
-            )
-        )
-    return targets
+        names.append(("webhook", target_name(config.webhook_url)))
+    return names
+
+
+def _targets(digest: DailyDigest, config: DeliveryConfig) -> list[tuple]:
+    sends = {"email": partial(_mail, digest, config), "webhook": partial(_post, digest, config)}
+    return [(channel, target, sends[channel]) for channel, target in target_names(config)]
+
+
+def _mail(digest: DailyDigest, config: DeliveryConfig) -> None:
+    smtp = config.smtp
+    assert smtp is not None  # target_names lists email only with its settings
+    message = email_message(digest, smtp.sender, config.email_to, config.site_url)
+    send_email(smtp, message, config.email_to)
+
+
+def _post(digest: DailyDigest, config: DeliveryConfig) -> None:
+    assert config.webhook_url is not None
+    post_webhook(config.webhook_url, slack_payload(digest, config.site_url))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from xml.etree import ElementTree
 
@@ -31,7 +32,9 @@ class Hook(ThreadingHTTPServer):
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _HookHandler)
         self.status = 200
+        self.failures = 0  # the next POSTs answered 500 whatever the status
         self.posts: list[tuple[str, str, dict]] = []  # (path, content type, JSON body)
+        self.times: list[float] = []  # time.monotonic() of each POST
         self.thread = threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True)
 
     @property
@@ -52,9 +55,14 @@ class _HookHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        status = self.server.status
+        if self.server.failures > 0:
+            self.server.failures -= 1
+            status = 500
         self.server.posts.append((self.path, self.headers["Content-Type"], body))
-        reply = b"ok" if self.server.status == 200 else b"invalid_token"
-        self.send_response(self.server.status)
+        self.server.times.append(time.monotonic())
+        reply = b"ok" if status == 200 else b"invalid_token"
+        self.send_response(status)
         self.send_header("Content-Length", str(len(reply)))
         self.end_headers()
         self.wfile.write(reply)
