@@ -99,6 +99,25 @@ def measure_copy_bandwidth(num_bytes: int = 512 << 20, repeats: int = 5) -> floa
     return num_bytes / statistics.median(times) / 1e9
 
 
+def measure_read_bandwidth(num_bytes: int, threads: int, repeats: int = 7) -> float:
+    """GB/s of reading `num_bytes` (a float32 sum on `threads` threads), median of `repeats`
+    after one warm pass: what streaming a working set of that size costs on this machine, from
+    the caches where it fits them (a decode step rereads its weights every step)."""
+    data = torch.ones(max(num_bytes // 4, 1))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data.sum()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return data.numel() * 4 / statistics.median(times) / 1e9
+
+
 # ---- counting ------------------------------------------------------------------------------
 
 

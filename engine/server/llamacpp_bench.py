@@ -555,6 +555,18 @@ def run_llamacpp_bench(cfg: LlamaCppBenchConfig, echo: Callable[[str], None] = p
     for line in format_table(rows):
         echo(line)
     _check_prompt_tokens(run.phases, echo)
+    roofline = None
+    roof_gguf = gguf if gguf is not None else (default_gguf() if cfg.model == "default" else None)
+    if roof_gguf is not None and any(p.concurrency == 1 for p in run.phases):
+        batch1 = lengths[: cfg.batch1_prompts]
+        try:
+            roof = batch1_roofline(roof_gguf, model_dir, batch1, cfg.max_tokens, threads)
+        except (OSError, ValueError) as e:  # not a GGUF the gguf package reads
+            echo(f"note: no batch-1 roofline: {roof_gguf}: {e}")
+        else:
+            lines, roofline = roofline_lines(roof, run.phases)
+            for line in lines:
+                echo(line)
     report = {
         "config": asdict(cfg),
         "machine": _machine(),
@@ -566,9 +578,85 @@ def run_llamacpp_bench(cfg: LlamaCppBenchConfig, echo: Callable[[str], None] = p
         "commands": run.commands,
         "phases": [asdict(p) for p in run.phases],
         "table": [asdict(r) | {"ratio": r.ratio} for r in rows],
+        "batch1_roofline": roofline,
         "raw": run.raw,
     }
     return _write(report, cfg.json_out)
+
+
+# ---- the bandwidth roofline of batch 1 ---------------------------------------------------------
+
+# Bytes of a K/V element: ours float32 (the default --kv-cache-dtype auto on the CPU), llama.cpp's
+# default cache type f16.
+KV_ITEMSIZE = {"nightshift": 4, "llamacpp": 2}
+DRAM_BYTES = 1 << 30  # a working set no cache holds
+
+
+@dataclass(slots=True)
+class Roofline:
+    """What a batch-1 decode step reads and how fast this machine can read it."""
+
+    weight_bytes: int  # every tensor of the GGUF: the projections, and the tied output matrix
+    mean_context: float  # the batch-1 requests' mean context over their decode steps
+    step_bytes: dict[str, int]  # per side: weights + K/V at mean_context
+    read_gbps: float  # reading a working set of ours's step_bytes
+    dram_gbps: float  # reading DRAM_BYTES
+
+    def fraction(self, side: str, decode_tokens_per_s: float, gbps: float) -> float:
+        return decode_tokens_per_s * self.step_bytes[side] / (gbps * 1e9)
+
+
+def batch1_roofline(
+    gguf: Path, model_dir: Path, prompt_lengths: Sequence[int], max_tokens: int, threads: int
+) -> Roofline:
+    """The step's bytes from the GGUF both servers run (our int4 layouts hold the same bytes
+    per weight as its Q4_1 blocks, our int8 LM head 36 per 32 against Q8_0's 34) plus the K/V
+    of the mean context; the read rate measured for a working set that size (on a CPU whose
+    last-level cache holds the model, a cache rate) and for 1 GiB (DRAM)."""
+    from gguf import GGUFReader
+
+    from engine.bench import measure_read_bandwidth
+    from engine.models.model_config import load_model_config
+
+    try:
+        tensors = GGUFReader(gguf).tensors
+    except (ValueError, IndexError, KeyError) as e:  # what the reader raises on a bad file
+        raise ValueError(f"not a GGUF file: {e}") from e
+    weights = sum(int(t.n_bytes) for t in tensors)
+    context = statistics.mean(prompt_lengths) + max_tokens / 2
+    per_token = load_model_config(model_dir).kv_bytes_per_token
+    step = {side: int(weights + context * per_token * size) for side, size in KV_ITEMSIZE.items()}
+    return Roofline(
+        weight_bytes=weights,
+        mean_context=context,
+        step_bytes=step,
+        read_gbps=measure_read_bandwidth(step["nightshift"], threads),
+        dram_gbps=measure_read_bandwidth(DRAM_BYTES, threads),
+    )
+
+
+def roofline_lines(roof: Roofline, phases: Sequence[Phase]) -> tuple[list[str], dict]:
+    lines = [
+        f"batch 1 roofline: a decode step reads the GGUF's {roof.weight_bytes / 1e6:.0f} MB and the "
+        f"K/V of {roof.mean_context:.0f} tokens (ours float32, llama.cpp f16); this machine reads "
+        f"{roof.read_gbps:.1f} GB/s from a working set that size, {roof.dram_gbps:.1f} GB/s from "
+        f"{DRAM_BYTES >> 20} MB"
+    ]
+    fractions = {}
+    for side in KV_ITEMSIZE:
+        rates = [p.median_decode_tokens_per_s for p in phases if p.side == side and p.concurrency == 1]
+        if not rates:
+            continue
+        rate = statistics.median(rates)
+        at_size = roof.fraction(side, rate, roof.read_gbps)
+        at_dram = roof.fraction(side, rate, roof.dram_gbps)
+        fractions[side] = {"working_set": at_size, "dram": at_dram}
+        lines.append(
+            f"  {LABELS[side]:<10} {roof.step_bytes[side] / 1e6:.0f} MB a step x {rate:.1f} tok/s"
+            f" = {rate * roof.step_bytes[side] / 1e9:.1f} GB/s: {100 * at_size:.0f}% of the "
+            f"working-set rate, {100 * at_dram:.0f}% of DRAM's"
+        )
+    return lines, asdict(roof) | {"fractions": fractions}
 
 
 def _check_prompt_tokens(phases: Sequence[Phase], echo: Callable[[str], None]) -> None:

@@ -198,8 +198,8 @@ def test_a_whole_run_against_our_server_and_a_stand_in_llama_server(tmp_path):
     # 2048 positions: the digest prompts are a few hundred tokens.
     model = build_chat_model(tmp_path / "m", max_position_embeddings=2048)
     binary, argv_file = _fake_llama_server(tmp_path)
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf = tmp_path / "model.gguf"  # the stand-in reads nothing; the roofline its tensors' sizes
+    _write_gguf(gguf, {"a": (64, 96), "b": (7,)})
     cfg = LlamaCppBenchConfig(
         model=str(model),
         gguf=str(gguf),
@@ -231,3 +231,31 @@ def test_a_whole_run_against_our_server_and_a_stand_in_llama_server(tmp_path):
     assert report["commands"]["nightshift"][0] == "OMP_NUM_THREADS=1"
     assert {row["label"] for row in report["table"]} >= {"batch 1 decode", "concurrency 2 output"}
     assert all(row["ratio"] is not None for row in report["table"])
+    # The batch-1 roofline: the GGUF's bytes and the K/V at the mean context, per side.
+    roof = report["batch1_roofline"]
+    assert roof["weight_bytes"] == 4 * (64 * 96 + 7)
+    assert roof["step_bytes"]["nightshift"] > roof["step_bytes"]["llamacpp"] > roof["weight_bytes"]
+    assert set(roof["fractions"]) == {"nightshift", "llamacpp"}
+    assert any(line.startswith("batch 1 roofline:") for line in lines)
+
+
+def _write_gguf(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_file_that_is_not_a_gguf_is_named(tmp_path):
+    from engine.server.llamacpp_bench import batch1_roofline
+
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        batch1_roofline(bad, tmp_path, [10], 4, 1)
