@@ -14,7 +14,14 @@ server's batches (paged, newest first, back to the dead runs' start) and resumes
 date's dead runs, recorded or not; it reuses their uploaded input rather than uploading it
 again; and a create (or upload) retried after an error looks for what the lost attempt made
 before trying again. A resumed batch's replies are used only where its request is exactly the
-one this run would send (same custom_id, url and body: a changed model or prompt asks again)."""
+one this run would send (same custom_id, url and body: a changed model or prompt asks again).
+
+A summary that loops (digest/repetition.py) is asked once more under the stronger penalty, as a
+streamed run asks it: the looping papers' summaries go as a second, small batch, found again and
+resumed exactly as the first is (a run that dies while it runs leaves both batches to the next,
+which polls them rather than asking again). The other papers are stored before it is submitted.
+The looping reply's call is recorded with the retry's result, in one transaction: a run that
+dies in between records neither, so a resumed run records each call once."""
 
 from __future__ import annotations
 
@@ -44,17 +51,20 @@ from digest.prompts import (
     REVIEW_MAX_TOKENS,
     SUMMARY_FREQUENCY_PENALTY,
     SUMMARY_MAX_TOKENS,
+    SUMMARY_RETRY_FREQUENCY_PENALTY,
     paper_block,
     review_messages,
     summary_messages,
 )
+from digest.repetition import loops
 from digest.review_parse import review_response_format
-from digest.store.digest_store import DigestStore
+from digest.store.digest_store import CallRecord, DigestStore
 
 log = logging.getLogger(__name__)
 
 ENDPOINT = "/v1/chat/completions"
 KINDS = ("summary", "review")  # a paper's summary is stored before its review, as streamed
+RETRY = "summary-retry"  # the custom_id kind of a looping summary asked once more
 JOB = "digest"  # the metadata's nightshift_job
 DEAD = ("interrupted", "failed")  # runs whose unrecorded batches a later run looks for
 # How far before a dead run's start a listing still looks: the server's clock may differ.
@@ -77,6 +87,17 @@ class BatchReply:
     batch: dict
 
 
+@dataclass(frozen=True, slots=True)
+class _Lookback:
+    """Where earlier batches of the date may be: the dead runs (id -> start), the batches that
+    finished runs consumed, how far back listings look, and this run's start (its metadata)."""
+
+    dead: dict[str, str]
+    consumed: frozenset[str]
+    since: float
+    started: str
+
+
 @dataclass(slots=True)
 class BatchPlan:
     store: DigestStore
@@ -88,7 +109,26 @@ class BatchPlan:
 
     async def run(self, work: list[PaperInput], progress: ProgressSink | None) -> None:
         requests = {r.custom_id: r for r in self.requests(work)}
-        replies: dict[str, BatchReply] = {}
+        look = self._lookback()
+        async with BatchClient(self.client_config) as client:
+            replies = await self._answer(client, requests, look)
+            if progress:
+                progress.start(len(work))
+            again = self._retries(requests, replies)
+            looping = {r.item.paper.arxiv_id for r in again.values()}
+            # The papers that need no second round are stored (and done) before it.
+            self._store_all(
+                [i for i in work if i.paper.arxiv_id not in looping], requests, replies, progress
+            )
+            if again:
+                log.info("a second batch: the %d summaries that repeat themselves", len(again))
+                replies |= await self._answer(client, again, look)
+                requests |= again
+                self._store_all(
+                    [i for i in work if i.paper.arxiv_id in looping], requests, replies, progress
+                )
+
+    def _lookback(self) -> _Lookback:
         runs = {r.id: r for r in self.store.runs_for(self.day)}
         # A run is named by its id and start: run ids repeat across digest databases.
         dead = {
@@ -101,21 +141,56 @@ class BatchPlan:
         this_run = _started(runs[self.run_id])
         # Listings look back to the earliest dead run's start (or this run's), less the slack.
         starts = [datetime.fromisoformat(s).timestamp() for s in (this_run, *dead.values())]
-        since = min(starts) - CLOCK_SLACK_S
-        async with BatchClient(self.client_config) as client:
-            resumed = self.store.batch_to_resume(self.day, self.run_id)
-            if resumed is not None:
-                replies |= await self._resume(client, resumed, requests)
-            consumed.add(resumed)
-            for batch_id in await self._of_dead_runs(client, dead, consumed, since):
-                if missing := {c: r for c, r in requests.items() if c not in replies}:
-                    replies |= await self._resume(client, batch_id, missing)
-            pending = [r for cid, r in requests.items() if cid not in replies]
-            if pending:
-                replies |= await self._submit(client, pending, bool(dead), since, this_run)
-        if progress:
-            progress.start(len(work))
-        for item in work:
+        return _Lookback(dead, frozenset(consumed), min(starts) - CLOCK_SLACK_S, this_run)
+
+    async def _answer(
+        self, client: BatchClient, requests: dict[str, BatchRequest], look: _Lookback
+    ) -> dict[str, BatchReply]:
+        """The replies to `requests`: from the batches of the date's dead runs where they asked
+        exactly these, the rest from a new batch, waited for."""
+        replies: dict[str, BatchReply] = {}
+        resumed = self.store.batch_to_resume(self.day, self.run_id)
+        if resumed is not None:
+            replies |= await self._resume(client, resumed, requests)
+        skip = look.consumed | {resumed}
+        for batch_id in await self._of_dead_runs(client, look.dead, skip, look.since):
+            if missing := {c: r for c, r in requests.items() if c not in replies}:
+                replies |= await self._resume(client, batch_id, missing)
+        pending = [r for cid, r in requests.items() if cid not in replies]
+        if pending:
+            replies |= await self._submit(
+                client, pending, bool(look.dead), look.since, look.started
+            )
+        return replies
+
+    def _retries(
+        self, requests: dict[str, BatchRequest], replies: dict[str, BatchReply]
+    ) -> dict[str, BatchRequest]:
+        """A second request for each summary whose reply loops: the same messages, the
+        stronger penalty."""
+        again = {}
+        for request in requests.values():
+            reply = replies.get(request.custom_id)
+            if request.kind != "summary" or reply is None or not _succeeded(reply.line):
+                continue
+            if not loops(_result(reply, self.endpoint.base_url).text):
+                continue
+            log.info(
+                "%s: the summary repeats itself; asking once more", request.item.paper.arxiv_id
+            )
+            body = {**request.body, "frequency_penalty": SUMMARY_RETRY_FREQUENCY_PENALTY}
+            retry = BatchRequest(_custom_id(RETRY, request.item), request.item, "summary", body)
+            again[retry.custom_id] = retry
+        return again
+
+    def _store_all(
+        self,
+        items: list[PaperInput],
+        requests: dict[str, BatchRequest],
+        replies: dict[str, BatchReply],
+        progress: ProgressSink | None,
+    ) -> None:
+        for item in items:
             outcome = self._store(item, requests, replies)
             if progress:
                 progress.advance(item.paper.arxiv_id, outcome)
@@ -286,32 +361,66 @@ class BatchPlan:
             request = requests.get(_custom_id(kind, item))
             if request is None:
                 continue  # stored by an earlier run
+            reply = replies.get(request.custom_id)
+            earlier: list[CallRecord] = []
+            retry = requests.get(_custom_id(RETRY, item)) if kind == "summary" else None
+            if retry is not None:
+                # The looping reply: its call is recorded with the retry's, which is stored.
+                earlier = [self._call(request, reply)]
+                request, reply = retry, replies.get(retry.custom_id)
             try:
-                self._store_reply(request, replies.get(request.custom_id), key)
+                self._store_reply(request, reply, key, earlier)
             except (ChatCallError, Unparsed) as exc:
                 error = error or str(exc)
         return set_outcome(self.store, self.day, item, self.run_id, error)
 
-    def _store_reply(self, request: BatchRequest, reply: BatchReply | None, key) -> None:
-        item, kind = request.item, request.kind
-        body = request.body
+    def _call(self, request: BatchRequest, reply: BatchReply | None) -> CallRecord:
+        """The record of a successful reply's call (a batch has no per-request latency)."""
+        assert reply is not None
         call = new_call(
-            self.run_id, item, kind, self.endpoint.model, self.endpoint.base_url, body["max_tokens"]
+            self.run_id,
+            request.item,
+            request.kind,
+            self.endpoint.model,
+            self.endpoint.base_url,
+            request.body["max_tokens"],
         )
+        fill_call(call, _result(reply, self.endpoint.base_url))
+        call.latency_s = None
+        return call
+
+    def _store_reply(
+        self,
+        request: BatchRequest,
+        reply: BatchReply | None,
+        key,
+        earlier: list[CallRecord],
+    ) -> None:
+        """Store the reply with its call (and `earlier` calls of the same result, a looping
+        summary's); a failed one is recorded and raised."""
+        item, kind = request.item, request.kind
         if reply is None or not _succeeded(reply.line):
             message = _failure(reply)
+            call = new_call(
+                self.run_id,
+                item,
+                kind,
+                self.endpoint.model,
+                self.endpoint.base_url,
+                request.body["max_tokens"],
+            )
             call.status, call.error = "error", message
             call.started_at = _created(reply)
             call.latency_s = None
-            self.store.record_call(call)
+            for record in (*earlier, call):
+                self.store.record_call(record)
             raise ChatCallError(
                 message, status_code=None, attempts=1, started_at=call.started_at, latency_s=0.0
             )
         result = _result(reply, self.endpoint.base_url)
-        fill_call(call, result)
-        call.latency_s = None  # a batch has no per-request latency; its times are the batch's
+        call = self._call(request, reply)
         if kind == "summary":
-            store_summary(self.store, item, key, result, call, self.run_id)
+            store_summary(self.store, item, key, result, call, self.run_id, earlier)
         else:
             store_review(self.store, item, key, result, call, self.run_id)
 

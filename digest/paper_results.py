@@ -5,6 +5,7 @@ that both paths store exactly the same rows."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
 
@@ -74,11 +75,14 @@ def store_summary(
     result: ChatResult,
     call: CallRecord,
     run_id: int,
+    earlier: Sequence[CallRecord] = (),
 ) -> None:
-    """Save the tidied summary with its call; an empty one is a failed call (ChatCallError)."""
+    """Save the tidied summary with its call, and `earlier` calls that led to it (a looping
+    reply asked again) in the same transaction; an empty one is a failed call (ChatCallError)."""
     text = tidy_summary(result.text, cut_off=result.finish_reason == "length")
     if not text:
-        store.record_call(call)
+        for record in (*earlier, call):
+            store.record_call(record)
         raise ChatCallError(
             "the model returned an empty summary",
             status_code=None,
@@ -86,7 +90,7 @@ def store_summary(
             started_at=result.started_at,
             latency_s=result.latency_s,
         )
-    store.save_summary(item.paper, key, text, run_id, call)
+    store.save_summary(item.paper, key, text, run_id, call, earlier)
 
 
 def store_review(

@@ -5,6 +5,7 @@ calls in flight; the unique constraints make a repeated write a no-op instead of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
 
@@ -472,10 +473,17 @@ class DigestStore:
         return self._result(ReviewRow, paper_id, key)
 
     def save_summary(
-        self, paper: Paper, key: WorkKey, text: str, run_id: int, call: CallRecord | None = None
+        self,
+        paper: Paper,
+        key: WorkKey,
+        text: str,
+        run_id: int,
+        call: CallRecord | None = None,
+        earlier: Sequence[CallRecord] = (),
     ) -> None:
-        """Store a summary, with the record of the call that produced it in the same transaction
-        (a kill between the two would otherwise make a rerun ask again and record it twice)."""
+        """Store a summary, with the record of the call that produced it (and of `earlier`
+        calls that led to it: a looping reply asked again) in the same transaction (a kill
+        between the two would otherwise make a rerun ask again and record it twice)."""
         self._insert_once(
             SummaryRow(
                 paper_id=paper.arxiv_id,
@@ -487,6 +495,7 @@ class DigestStore:
                 run_id=run_id,
                 created_at=utcnow(),
             ),
+            *earlier,
             call,
         )
 
@@ -635,16 +644,16 @@ class DigestStore:
         with self._session.begin() as s:
             s.execute(query)
 
-    def _insert_once(self, row: object, call: CallRecord | None = None) -> None:
+    def _insert_once(self, row: object, *calls: CallRecord | None) -> None:
+        made = [call for call in calls if call is not None]
         try:
             with self._session.begin() as s:
                 s.add(row)
-                if call is not None:
-                    s.add(_call_row(call))
+                s.add_all([_call_row(call) for call in made])
         except IntegrityError:
-            # Already stored by an earlier (interrupted) run: keep the first; the call was
+            # Already stored by an earlier (interrupted) run: keep the first; the calls were
             # made all the same.
-            if call is not None:
+            for call in made:
                 self.record_call(call)
 
 

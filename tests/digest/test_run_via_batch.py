@@ -17,21 +17,35 @@ import httpx
 import pytest
 from sqlalchemy import select, update
 
-from digest import batch_calls
+from digest import batch_calls, pipeline
 from digest.batch_calls import BatchPlan
 from digest.batch_client import BatchClient
 from digest.pipeline import run_digest
+from digest.prompts import SUMMARY_FREQUENCY_PENALTY, SUMMARY_RETRY_FREQUENCY_PENALTY
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
 from digest.store.schema import RunRow
 from engine.server.batch_config import BatchConfig
 from tests.digest.conftest import fresh_database
 from tests.digest.fault_server import FaultServer
+from tests.digest.looping_model import build_looping_model
 from tests.digest.test_pipeline import DAY, options, write_papers
 from tests.engine.server.live_server import build_chat_model, live_server
 
 WAIT_S = 240
 BATCH_POLL = dict(batch_poll_s=0.05, batch_max_poll_s=0.2, chat_read_timeout_s=120.0)
+# The tiny models never stop a summary before max_tokens: 256 tokens of each were most of this
+# file's time. 48 still holds a sentence said several times (the looping model's 9 tokens).
+SHORT_SUMMARY_TOKENS = 48
+
+
+@pytest.fixture
+def short_summaries(monkeypatch):
+    """Summaries capped at SHORT_SUMMARY_TOKENS in this process, streamed or batched alike. Not
+    for a test whose run is resumed from a `digest run` process: that one asked the full 256,
+    so the resumed run's requests would differ from its batch's and be asked again."""
+    for module in (pipeline, batch_calls):
+        monkeypatch.setattr(module, "SUMMARY_MAX_TOKENS", SHORT_SUMMARY_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +85,7 @@ def _stored(db_url: str) -> dict:
     return {"calls": calls, "entries": entries}
 
 
-def test_digest_via_batch_stores_what_streaming_stores(server, tmp_path, db_url):
+def test_digest_via_batch_stores_what_streaming_stores(server, tmp_path, db_url, short_summaries):
     url, _ = server
     before = len(_batches(url))
     report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
@@ -173,7 +187,9 @@ def _new(url: str, before: set[str], kind: str = "batches") -> list[dict]:
     return [b for b in data if b["id"] not in before]
 
 
-def test_a_run_killed_before_recording_its_batch_resumes_it(server, tmp_path, db_url, monkeypatch):
+def test_a_run_killed_before_recording_its_batch_resumes_it(
+    server, tmp_path, db_url, monkeypatch, short_summaries
+):
     """Killed between creating the batch and storing its id on the run record: the next run
     finds the batch by its metadata (date, run, input hash) and polls it; nothing twice."""
     url, _ = server
@@ -200,7 +216,9 @@ def test_a_run_killed_before_recording_its_batch_resumes_it(server, tmp_path, db
     assert len(_stored(db_url)["calls"]) == 4
 
 
-def test_a_batch_recorded_two_runs_back_is_resumed(server, tmp_path, db_url, monkeypatch):
+def test_a_batch_recorded_two_runs_back_is_resumed(
+    server, tmp_path, db_url, monkeypatch, short_summaries
+):
     """Run 1 records its batch and dies while polling; run 2 dies before it reaches the batch;
     run 3 polls run 1's batch (not only the previous run's record is looked at)."""
     url, _ = server
@@ -221,7 +239,9 @@ def test_a_batch_recorded_two_runs_back_is_resumed(server, tmp_path, db_url, mon
     ]
 
 
-def test_a_resumed_batch_answers_only_the_requests_it_asked(server, tmp_path, db_url, monkeypatch):
+def test_a_resumed_batch_answers_only_the_requests_it_asked(
+    server, tmp_path, db_url, monkeypatch, short_summaries
+):
     """Between the dead run and the next, the summaries' request changed (another limit, as a
     changed model or prompt would): the old batch's reviews are used, its summaries asked again."""
     url, _ = server
@@ -239,7 +259,7 @@ def test_a_resumed_batch_answers_only_the_requests_it_asked(server, tmp_path, db
 
 @pytest.mark.parametrize("gone", ["input_file_id", "output_file_id"])
 def test_a_dead_runs_batch_whose_files_are_gone_is_asked_again(
-    server, tmp_path, sqlite_url, monkeypatch, gone
+    server, tmp_path, sqlite_url, monkeypatch, gone, short_summaries
 ):
     """The dead run's batch finished, then its input (or output) file was deleted on the
     server: the next run asks again instead of failing on the 404 (every night, as each
@@ -258,7 +278,7 @@ def test_a_dead_runs_batch_whose_files_are_gone_is_asked_again(
 
 
 def test_a_run_killed_between_upload_and_create_reuses_its_file(
-    server, tmp_path, db_url, monkeypatch
+    server, tmp_path, db_url, monkeypatch, short_summaries
 ):
     url, _ = server
     before = {b["id"] for b in _new(url, set())}
@@ -273,7 +293,7 @@ def test_a_run_killed_between_upload_and_create_reuses_its_file(
 
 
 def test_a_lost_create_reply_is_not_retried_into_a_second_batch(
-    server, tmp_path, db_url, monkeypatch
+    server, tmp_path, db_url, monkeypatch, short_summaries
 ):
     """POST /batches reaches the server, the reply is lost (a timeout): the retry must find
     the batch it made rather than make another."""
@@ -293,6 +313,99 @@ def test_a_lost_create_reply_is_not_retried_into_a_second_batch(
     report = run_digest(_run(tmp_path, db_url, url, via="batch", **BATCH_POLL))
     assert (report.status, report.papers_done, report.calls) == ("succeeded", 2, 4)
     assert [b["id"] for b in _new(url, before)] == lost
+
+
+@pytest.fixture(scope="module")
+def looping_server(tmp_path_factory):
+    """Our server, with the Batch API, on a tiny model whose every reply loops."""
+    model = build_looping_model(tmp_path_factory.mktemp("looping") / "tiny")
+    batch = BatchConfig(home=tmp_path_factory.mktemp("looping-batches"), concurrency=4)
+    with live_server(
+        model, "tiny", app_options={"batch": batch}, max_model_len=2048, max_num_seqs=4
+    ) as (url, engine):
+        yield url, engine
+
+
+def _one_paper(tmp_path, db_url, url, **extra):
+    run = _run(tmp_path, db_url, url, **extra)
+    lines = (tmp_path / "papers.jsonl").read_text().splitlines()[:1]
+    (tmp_path / "one.jsonl").write_text(lines[0] + "\n")
+    run.source = str(tmp_path / "one.jsonl")
+    return run
+
+
+def _asked(url: str, batch: dict) -> list[dict]:
+    data = httpx.get(f"{url}/v1/files/{batch['input_file_id']}/content", timeout=10).text
+    return [json.loads(line) for line in data.splitlines()]
+
+
+def test_a_looping_summary_is_asked_once_more_in_a_second_batch(
+    looping_server, tmp_path, sqlite_url, short_summaries
+):
+    """Issue 19: a `--via batch` night asks a looping summary once more under the stronger
+    penalty, as a streamed night does: a second batch of just that summary; both calls are
+    recorded, and the night stores what the streamed night stores."""
+    url, _ = looping_server
+    before = {b["id"] for b in _new(url, set())}
+    report = run_digest(_one_paper(tmp_path, sqlite_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 1, 3)
+    second, first = _new(url, before)
+    assert (first["request_counts"]["completed"], second["request_counts"]["completed"]) == (2, 1)
+    summary = next(r for r in _asked(url, first) if r["custom_id"].startswith("summary:"))
+    (retry,) = _asked(url, second)
+    assert retry["custom_id"] == "summary-retry:abstract:2603.00001"
+    assert summary["body"]["frequency_penalty"] == SUMMARY_FREQUENCY_PENALTY
+    assert retry["body"] == {
+        **summary["body"],
+        "frequency_penalty": SUMMARY_RETRY_FREQUENCY_PENALTY,
+    }
+    store = DigestStore(open_database(sqlite_url))
+    calls = sorted((c.kind, c.status, c.completion_tokens) for c in store.calls(report.run_id))
+    assert [call[:2] for call in calls] == [("review", "ok"), ("summary", "ok"), ("summary", "ok")]
+    assert [tokens for _, _, tokens in calls[1:]] == [SHORT_SUMMARY_TOKENS] * 2
+    assert store.runs_for(DAY)[0].batch_id == second["id"]
+    # The same night streamed, into a fresh store: the same rows, call for call.
+    streamed_dir = tmp_path / "streamed"
+    streamed_dir.mkdir()
+    write_papers(streamed_dir / "papers.jsonl")
+    streamed_db = f"sqlite:///{tmp_path / 'streamed.db'}"
+    run_digest(_one_paper(streamed_dir, streamed_db, url))
+    assert _stored(streamed_db) == _stored(sqlite_url)
+
+
+def test_a_run_killed_during_the_second_batch_resumes_both(
+    looping_server, tmp_path, db_url, monkeypatch, short_summaries
+):
+    """Killed while the looping summary's second batch runs: the next run polls the first
+    batch and the second, submits nothing, and records each of the three calls once."""
+    url, _ = looping_server
+    before = {b["id"] for b in _new(url, set())}
+    real_wait = BatchClient.wait
+    waits = []
+
+    async def die_on_the_second(self, batch_id):
+        waits.append(batch_id)
+        if len(waits) == 2:
+            raise _Killed
+        return await real_wait(self, batch_id)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BatchClient, "wait", die_on_the_second)
+        with pytest.raises(_Killed):
+            run_digest(_one_paper(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    _as_killed(db_url)
+    second, first = _new(url, before)
+    assert [b["id"] for b in (first, second)] == waits
+    assert [r["custom_id"] for r in _asked(url, second)] == ["summary-retry:abstract:2603.00001"]
+    assert _stored(db_url)["calls"] == []  # the dead run stored nothing of the looping paper
+    report = run_digest(_one_paper(tmp_path, db_url, url, via="batch", **BATCH_POLL))
+    assert (report.status, report.papers_done, report.calls) == ("succeeded", 1, 3)
+    assert [b["id"] for b in _new(url, before)] == [second["id"], first["id"]]  # none new
+    with open_database(db_url).connect() as conn:
+        runs = conn.execute(select(RunRow.status, RunRow.batch_id).order_by(RunRow.id)).all()
+    assert [tuple(r) for r in runs] == [("interrupted", second["id"]), ("succeeded", second["id"])]
+    kinds = sorted(kind for _, kind, *_ in _stored(db_url)["calls"])
+    assert kinds == ["review", "summary", "summary"]
 
 
 def test_local_endpoint_via_batch_survives_a_kill(tmp_path, monkeypatch, sqlite_url):
