@@ -80,8 +80,10 @@ def _paged(seq_lens: list[int], block_size: int, hkv: int, d: int, pool_blocks: 
 
 
 @pytest.mark.parametrize("seq_lens,block_size", [([1], 16), ([37, 150, 600, 16], 16), ([5, 70], 4)])
-def test_paged_decode_matches_the_torch_backend(kernel, seq_lens, block_size):
-    hq, hkv, d = 9, 3, 64
+# GQA groups of 3 and 4 with 64- and 128-wide heads take the AVX512 code where built with it;
+# a group of 12 and 32-wide heads the portable loops
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128), (12, 1, 64), (4, 4, 32)])
+def test_paged_decode_matches_the_torch_backend(kernel, seq_lens, block_size, hq, hkv, d):
     k_pool, v_pool, meta = _paged(seq_lens, block_size, hkv, d, pool_blocks=200)
     q = torch.randn(len(seq_lens), hq, d)
     expected = TorchAttentionBackend().forward(q, k_pool, v_pool, meta, 0.125)
