@@ -2,7 +2,8 @@
 every layer of a step in which each request adds one token.
 
 `DecodeStep.of(model)` says whether a model can use it, and builds it: float32 activations on
-the CPU, one rank, every projection int4 in the row-tiled layout our AVX512-VNNI kernel reads
+the CPU, one rank, not the Triton backend (on the CPU only its interpreter, in tests), every
+projection int4 in the row-tiled layout our AVX512-VNNI kernel reads
 (engine/quant/int4.py), no per-head q/k norms, no sliding window. `run` then also wants a step
 of decodes only and float32 K/V pools; anything else is the Python path's (engine/models/
 llama.py), as is everything when NIGHTSHIFT_CPU_DECODE=0 or no compiler is found.
@@ -87,6 +88,7 @@ class DecodeStep:
             or model.device.type != "cpu"
             or model.dtype != torch.float32
             or model.tp.size != 1
+            or model.backend.name == "triton"  # asked for on the CPU: Triton's interpreter, tests
             or cfg.qk_norm
             or cfg.sliding_window
             or cfg.head_dim > 512
