@@ -19,6 +19,8 @@ here: loading them names the tensor and its type."""
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 import numpy as np
@@ -120,14 +122,27 @@ def tensor_weight(data: np.ndarray, qtype: T, shape: tuple[int, int], name: str)
 
 def gguf_types(path: Path) -> dict[str, str]:
     """HF tensor name -> the GGUF block type it is stored in."""
-    return {_hf_tensor_name(t.name): t.tensor_type.name for t in GGUFReader(path).tensors}
+    return {_hf_tensor_name(t.name): t.tensor_type.name for t in _reader(path).tensors}
+
+
+def _reader(path: Path) -> GGUFReader:
+    """The file parsed once for a load that asks twice (gguf_types, then load_gguf_weights):
+    the reader parses every metadata field, the default model's 49k-word vocabulary included,
+    about 2 s each time. Keyed by the file's identity, so a replaced file is read again."""
+    stat = Path(path).stat()
+    return _parsed(str(Path(path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    return GGUFReader(path)
 
 
 def load_gguf_weights(path: Path, dtype: torch.dtype, plan: ShardPlan | None = None):
     """(HF name -> tensor or quantized weight, HF name -> full shape) from a llama GGUF, with
     the Q/K rows put back in HF's rotary order (llama.cpp's converter interleaves them) and,
     with a tensor-parallel plan, this rank's slice."""
-    reader = GGUFReader(path)
+    reader = _reader(path)
     fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("llama.")}
     n_head = int(fields["llama.attention.head_count"])
     n_kv = int(fields.get("llama.attention.head_count_kv", n_head))
