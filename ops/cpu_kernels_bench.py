@@ -62,12 +62,12 @@ def int4_step(rows: list[int], repeats: int) -> None:
     for m in rows:
         xs = [torch.randn(m, k) for _, k in SHAPES]
 
-        def run_torch() -> None:
+        def run_torch(xs: list[torch.Tensor] = xs) -> None:
             for layer in torch_side:
                 for w, x in zip(layer, xs):
                     w.linear(x)
 
-        def ours(kernel) -> Callable[[], None]:
+        def ours(kernel, xs: list[torch.Tensor] = xs) -> Callable[[], None]:
             def run() -> None:
                 for layer in tiled:
                     for (t, s, lo), x, (n, _) in zip(layer, xs, SHAPES):
@@ -99,10 +99,10 @@ def attention(repeats: int) -> None:
         )  # fmt: skip
         q = torch.randn(reqs, HQ, D)
 
-        def ours() -> None:
-            kernel.paged_decode(q, k_pool, v_pool, tables, meta.seq_lens, D**-0.5)
+        def ours(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta) -> None:
+            kernel.paged_decode(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, D**-0.5)
 
-        def torch_backend() -> None:
+        def torch_backend(q=q, k_pool=k_pool, v_pool=v_pool, meta=meta) -> None:
             meta.cache.clear()
             TorchAttentionBackend().forward(q, k_pool, v_pool, meta, D**-0.5)
 

@@ -50,7 +50,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("intermediate", _i64),
                 ("num_heads", _i64), ("num_kv_heads", _i64), ("head_dim", _i64),
                 ("block_size", _i64), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
-                ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr), ("cos_sin", _ptr)]  # fmt: skip
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", _ptr),
+                ("cos_sin", _ptr)]  # fmt: skip
 
 
 class DecodeStep:
@@ -95,7 +96,8 @@ class DecodeStep:
             or cpu_quant.isa() != "avx512-vnni"
         ):
             return None
-        weights = [getattr(w, n) for w in model.layers for n in ("qkv", "o_proj", "gate_up", "down")]
+        names = ("qkv", "o_proj", "gate_up", "down")
+        weights = [getattr(layer, n) for layer in model.layers for n in names]
         if not all(isinstance(w, Int4Weight) and w.tiled_kernel_fits() for w in weights):
             return None
         lib = _loaded.get()

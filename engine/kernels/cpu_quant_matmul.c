@@ -458,10 +458,15 @@ int ns_int4_tiled_matmul(const float *x, int64_t M, int64_t K, const uint8_t *co
         for (int64_t m0 = 0; m0 < M; m0 += TMB) {
             const int mb = (int)(M - m0 < TMB ? M - m0 : TMB);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TILE16 int4_tile16_avx512
+#elif defined(__AVX2__)
+#define TILE16 int4_tile16_avx2
+#endif
+#if defined(TILE16)
             /* constant row counts and scale type, so the accumulators live in registers */
 #define CALL(MB)                                                                              \
-    if (scale_f16) int4_tile16_avx512(&a, m0, MB, K, tile, scale, low, 1, group, t, N, y);     \
-    else int4_tile16_avx512(&a, m0, MB, K, tile, scale, low, 0, group, t, N, y)
+    if (scale_f16) TILE16(&a, m0, MB, K, tile, scale, low, 1, group, t, N, y);                 \
+    else TILE16(&a, m0, MB, K, tile, scale, low, 0, group, t, N, y)
             switch (mb) {
             case 4: CALL(4); break;
             case 3: CALL(3); break;
@@ -469,17 +474,7 @@ int ns_int4_tiled_matmul(const float *x, int64_t M, int64_t K, const uint8_t *co
             default: CALL(1); break;
             }
 #undef CALL
-#elif defined(__AVX2__)
-#define CALL(MB)                                                                              \
-    if (scale_f16) int4_tile16_avx2(&a, m0, MB, K, tile, scale, low, 1, group, t, N, y);       \
-    else int4_tile16_avx2(&a, m0, MB, K, tile, scale, low, 0, group, t, N, y)
-            switch (mb) {
-            case 4: CALL(4); break;
-            case 3: CALL(3); break;
-            case 2: CALL(2); break;
-            default: CALL(1); break;
-            }
-#undef CALL
+#undef TILE16
 #else
             int4_tile16_scalar(&a, m0, mb, K, tile, scale, low, scale_f16, group, t, N, y);
 #endif

@@ -18,8 +18,8 @@ from engine.attention.kv_quant import LayerKVCache
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import SINGLE, TensorParallel
-from engine.kernels.cpu_decode import DecodeStep
 from engine.errors import ModelLoadError
+from engine.kernels.cpu_decode import DecodeStep
 from engine.models.linear import linear
 from engine.models.model_config import ModelConfig
 from engine.models.ops import make_ops

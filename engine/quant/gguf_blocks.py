@@ -20,7 +20,6 @@ here: loading them names the tensor and its type."""
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
 
 import numpy as np

@@ -36,9 +36,7 @@ class Int4Weight:
     group: int
     _cpu: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     # (tiles, scale, low) of tile_codes, for our AVX512-VNNI kernel
-    _tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(
-        default=None, repr=False
-    )
+    _tiled: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     _kernel_scales: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

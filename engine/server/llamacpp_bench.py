@@ -637,14 +637,17 @@ def batch1_roofline(
 
 def roofline_lines(roof: Roofline, phases: Sequence[Phase]) -> tuple[list[str], dict]:
     lines = [
-        f"batch 1 roofline: a decode step reads the GGUF's {roof.weight_bytes / 1e6:.0f} MB and the "
-        f"K/V of {roof.mean_context:.0f} tokens (ours float32, llama.cpp f16); this machine reads "
-        f"{roof.read_gbps:.1f} GB/s from a working set that size, {roof.dram_gbps:.1f} GB/s from "
+        f"batch 1 roofline: a decode step reads the GGUF's {roof.weight_bytes / 1e6:.0f} MB and "
+        f"the K/V of {roof.mean_context:.0f} tokens (ours float32, llama.cpp f16); this machine "
+        f"reads {roof.read_gbps:.1f} GB/s from a working set that size, "
+        f"{roof.dram_gbps:.1f} GB/s from "
         f"{DRAM_BYTES >> 20} MB"
     ]
     fractions = {}
     for side in KV_ITEMSIZE:
-        rates = [p.median_decode_tokens_per_s for p in phases if p.side == side and p.concurrency == 1]
+        rates = [
+            p.median_decode_tokens_per_s for p in phases if p.side == side and p.concurrency == 1
+        ]
         if not rates:
             continue
         rate = statistics.median(rates)

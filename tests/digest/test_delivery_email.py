@@ -98,9 +98,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def smtp_server(tmp_path):
-    """A STARTTLS-only, AUTH-required SMTP server on 127.0.0.1; yields (mailbox, env)."""
+def _server(tmp_path, env: dict[str, str], context_option: str, **options):
+    """An AUTH-required SMTP server on 127.0.0.1 with a fresh certificate, given to aiosmtpd's
+    Controller as `context_option` (tls_context: STARTTLS; ssl_context: TLS from the first
+    byte), and further Controller `options`; yields (mailbox, env), the client's settings."""
     cert, key = _certificate(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
@@ -110,16 +111,17 @@ def smtp_server(tmp_path):
         mailbox,
         hostname="127.0.0.1",
         port=port,
-        tls_context=context,
-        require_starttls=True,
         auth_required=True,
         authenticator=mailbox.authenticate,
         ready_timeout=READY_S,
+        **{context_option: context},
+        **options,
     )
     controller.start()
     env = {
         "NIGHTSHIFT_SMTP_HOST": "127.0.0.1",
         "NIGHTSHIFT_SMTP_PORT": str(port),
+        **env,
         "NIGHTSHIFT_SMTP_USER": USER,
         "NIGHTSHIFT_SMTP_PASSWORD": PASSWORD,
         "NIGHTSHIFT_SMTP_CA_FILE": str(cert),
@@ -128,41 +130,22 @@ def smtp_server(tmp_path):
         yield mailbox, env
     finally:
         controller.stop()
+
+
+@pytest.fixture
+def smtp_server(tmp_path):
+    """A STARTTLS-only, AUTH-required SMTP server on 127.0.0.1; yields (mailbox, env)."""
+    yield from _server(tmp_path, {}, "tls_context", require_starttls=True)
 
 
 @pytest.fixture
 def implicit_tls_server(tmp_path):
     """An SMTP server that speaks TLS from the first byte (port 465's way, RFC 8314) and
     requires AUTH, on 127.0.0.1; yields (mailbox, env)."""
-    cert, key = _certificate(tmp_path)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    mailbox = Mailbox()
-    port = _free_port()
-    controller = Controller(
-        mailbox,
-        hostname="127.0.0.1",
-        port=port,
-        ssl_context=context,
-        auth_required=True,
-        # aiosmtpd counts only STARTTLS as TLS; this socket is TLS throughout.
-        auth_require_tls=False,
-        authenticator=mailbox.authenticate,
-        ready_timeout=READY_S,
+    # aiosmtpd counts only STARTTLS as TLS; this socket is TLS throughout.
+    yield from _server(
+        tmp_path, {"NIGHTSHIFT_SMTP_TLS": "implicit"}, "ssl_context", auth_require_tls=False
     )
-    controller.start()
-    env = {
-        "NIGHTSHIFT_SMTP_HOST": "127.0.0.1",
-        "NIGHTSHIFT_SMTP_PORT": str(port),
-        "NIGHTSHIFT_SMTP_TLS": "implicit",
-        "NIGHTSHIFT_SMTP_USER": USER,
-        "NIGHTSHIFT_SMTP_PASSWORD": PASSWORD,
-        "NIGHTSHIFT_SMTP_CA_FILE": str(cert),
-    }
-    try:
-        yield mailbox, env
-    finally:
-        controller.stop()
 
 
 def _parts(raw: bytes) -> tuple[object, str, str]:
