@@ -402,15 +402,32 @@ def _run_llama(ref: LlamaReference) -> None:
 
 
 def run_accuracy_bench(cfg: AccuracyBenchConfig, echo: Callable[[str], None] = print) -> dict:
+    """The bench on cfg.model: "default", a local HF folder, or "random" (a tiny random-weight
+    Llama with the default model's tokenizer, engine/random_model.py, built in a temporary
+    folder for the run)."""
     from engine.model_fetch import resolve_model
-    from engine.models.model_config import load_model_config
 
     order = run_order(cfg.formats)
     for name in order:  # every format checked before minutes of float32
         format_options(name)
     # Every engine below resolves the same count; llama-perplexity gets it too (-t).
     configure_threads(cfg.threads)
-    model_dir = resolve_model(cfg.model)
+    with tempfile.TemporaryDirectory(prefix="nightshift-random-model-") as tmp:
+        if cfg.model == "random":
+            from engine.random_model import build_random_model
+
+            model_dir = build_random_model(Path(tmp) / "model")
+            echo(f"model: a random-weight Llama with the default model's tokenizer ({model_dir})")
+        else:
+            model_dir = resolve_model(cfg.model)
+        return _run(cfg, model_dir, order, echo)
+
+
+def _run(
+    cfg: AccuracyBenchConfig, model_dir: Path, order: list[str], echo: Callable[[str], None]
+) -> dict:
+    from engine.models.model_config import load_model_config
+
     max_model_len = min(cfg.max_model_len, load_model_config(model_dir).max_position_embeddings)
     if cfg.max_tokens >= max_model_len:
         raise ValueError(f"--max-tokens {cfg.max_tokens} leaves no room in {max_model_len} tokens")
@@ -481,7 +498,8 @@ def _compare(result: FormatResult, reference: FormatResult) -> None:
     if result is reference or result.perplexity is None or reference.perplexity is None:
         return
     result.delta_pct = 100 * (result.perplexity / reference.perplexity - 1)
-    if result.format != REFERENCE and result.weight_bytes == reference.weight_bytes:
+    weights_format = result.format != REFERENCE and not result.format.startswith(KV_PREFIX)
+    if weights_format and result.weight_bytes == reference.weight_bytes:  # kv: keeps the weights
         result.note = "weights as large as the reference's: was the format applied?"
 
 

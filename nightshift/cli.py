@@ -711,7 +711,13 @@ def bench_speculative(
 
 @bench_app.command("accuracy")
 def bench_accuracy(
-    model: Annotated[str, typer.Option(help="'default' or a local HF model folder.")] = "default",
+    model: Annotated[
+        str,
+        typer.Option(
+            help="'default', a local HF model folder, or 'random' (a tiny random-weight Llama "
+            "with the default model's tokenizer, built for the run)."
+        ),
+    ] = "default",
     papers: Annotated[
         str, typer.Option(help="Papers file (JSON/JSONL/Atom) whose abstracts are scored.")
     ] = "examples/papers-2026-03-sample.jsonl",

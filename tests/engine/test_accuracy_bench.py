@@ -219,3 +219,17 @@ def test_cli_unknown_format_is_one_line_and_exit_2(model_dir, fmt, words):
     assert len(errors) == 1, result.output
     for word in words:
         assert word in errors[0]
+
+
+def test_a_random_model_is_built_for_the_run_and_kv_formats_keep_their_weights(tmp_path):
+    # --model random: a tiny random-weight Llama with the default model's tokenizer, in a
+    # temporary folder that is gone after the run; a kv: format changes no weight, so it gets no
+    # "was the format applied?" note.
+    cfg = _cfg(tmp_path, model="random", formats=["none", "kv:int8"], num_prompts=2, max_tokens=4)
+    lines: list[str] = []
+    report = run_accuracy_bench(cfg, echo=lines.append)
+    assert lines[0].startswith("model: a random-weight Llama")
+    assert not Path(report["model_dir"]).exists()
+    rows = {r["format"]: r for r in report["results"]}
+    assert rows["kv:int8"]["perplexity"] is not None and rows["kv:int8"]["note"] in (None, "")
+    assert rows["kv:int8"]["weight_bytes"] == rows["none"]["weight_bytes"]
