@@ -7,12 +7,14 @@ from pathlib import Path
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.distributed.group import SINGLE, TensorParallel
 from engine.errors import ModelLoadError
 from engine.kernels.cpu_decode import DecodeStep
 from engine.models.llama import LlamaModel
 from engine.models.model_config import ModelConfig, load_model_config
+from engine.models.ops import make_ops
 from engine.models.sharding import ShardPlan
 from engine.models.weights import load_weights
 from engine.quant.checkpoint import load_quantized, quantization_config
@@ -112,6 +114,12 @@ def load_model(
     if quantization is not None:
         quantize_model(model, quantization, group_size)
     model.decode_step = DecodeStep.of(model)
+    if model.decode_step is not None:
+        # A decode token then goes through the same kernels whichever path runs it (a step of
+        # decodes only, or one with prompt chunks in it), so a request's tokens do not depend
+        # on what else is in the batch.
+        model.ops = make_ops("cpu")
+        model.backend = CpuAttentionBackend()
     return model
 
 
