@@ -109,22 +109,33 @@ def _stop(proc: subprocess.Popen, log: Path) -> None:
     assert proc.wait(timeout=30) == 0, log.read_text()
 
 
+def _run_schedule(
+    tmp_path, db_url, stub: str, hook: str, at: str, log_path: Path, args, until, linger=0.0
+) -> None:
+    """A scheduler started, run until `until()` holds (then `linger` seconds more, in which
+    nothing else must break it), stopped with SIGTERM; killed if anything failed on the way."""
+    with log_path.open("wb") as log:
+        proc = _schedule(tmp_path, db_url, stub, hook, at, log, *args)
+        try:
+            _wait_for(until, proc, log_path)
+            time.sleep(linger)
+            _stop(proc, log_path)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
 def test_schedule_retries_a_failed_delivery_with_backoff_until_sent(tmp_path, db_url):
     """The webhook fails the night's POST and the first retry: the scheduler tries again 1 s,
     then 2 s later, and stops once it is sent; the night's model calls are not made again."""
     at, day = _soon()
     log_path = tmp_path / "schedule.log"
-    with FaultServer() as stub, Hook() as hook, log_path.open("wb") as log:
+    with FaultServer() as stub, Hook() as hook:
         hook.failures = 2
         args = ("--delivery-retries", "4", "--delivery-retry-wait", "1")
-        proc = _schedule(tmp_path, db_url, stub.base_url, hook.url, at, log, *args)
-        try:
-            _wait_for(lambda: len(hook.posts) == 3, proc, log_path)
-            time.sleep(3.0)  # longer than the next wait would be: nothing more comes
-            _stop(proc, log_path)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        # lingering longer than the next wait would be: nothing more comes
+        _run_schedule(tmp_path, db_url, stub.base_url, hook.url, at, log_path, args,
+                      lambda: len(hook.posts) == 3, linger=3.0)  # fmt: skip
         requests = len(stub.requests)
     output = log_path.read_text()
     assert len(hook.posts) == 3 and requests == 8, output
@@ -145,34 +156,15 @@ def test_a_restarted_scheduler_goes_on_counting_and_never_sends_twice(tmp_path, 
     logs = [tmp_path / f"schedule-{n}.log" for n in range(3)]
     with FaultServer() as stub, Hook() as hook:
         hook.status = 500
-        with logs[0].open("wb") as log:
-            first = _schedule(tmp_path, db_url, stub.base_url, hook.url, at, log, *args)
-            try:
-                _wait_for(lambda: len(hook.posts) == 2, first, logs[0])
-                _stop(first, logs[0])
-            finally:
-                if first.poll() is None:
-                    first.kill()
+        _run_schedule(tmp_path, db_url, stub.base_url, hook.url, at, logs[0], args,
+                      lambda: len(hook.posts) == 2)  # fmt: skip
         hook.status = 200
         started = time.monotonic()
-        with logs[1].open("wb") as log:
-            second = _schedule(tmp_path, db_url, stub.base_url, hook.url, past, log, *args)
-            try:
-                _wait_for(lambda: len(hook.posts) == 3, second, logs[1])
-                _stop(second, logs[1])
-            finally:
-                if second.poll() is None:
-                    second.kill()
+        _run_schedule(tmp_path, db_url, stub.base_url, hook.url, past, logs[1], args,
+                      lambda: len(hook.posts) == 3)  # fmt: skip
         assert hook.times[2] - hook.times[1] >= 3.9  # the count went on: 2 failures, 4 s
-        with logs[2].open("wb") as log:
-            third = _schedule(tmp_path, db_url, stub.base_url, hook.url, past, log, *args)
-            try:
-                _wait_for(lambda: "next run" in logs[2].read_text(), third, logs[2])
-                time.sleep(3.0)
-                _stop(third, logs[2])
-            finally:
-                if third.poll() is None:
-                    third.kill()
+        _run_schedule(tmp_path, db_url, stub.base_url, hook.url, past, logs[2], args,
+                      lambda: "next run" in logs[2].read_text(), linger=3.0)  # fmt: skip
         requests = len(stub.requests)
     assert time.monotonic() - started < WAIT_S
     assert len(hook.posts) == 3 and requests == 8, [p.read_text() for p in logs]
