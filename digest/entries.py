@@ -30,6 +30,9 @@ class DigestEntry:
     # The full text the summary was made from (input_basis fulltext, as truncated for the
     # prompt); None: the abstract. What the faithfulness check reads (digest/faithfulness.py).
     source_text: str | None = None
+    # The prompt version the summary was made with (None: the current one). What else the
+    # prompt showed besides the text (authors, categories, id before 2026-12-05.4) counts too.
+    prompt_version: str | None = None
     error: str | None = None  # why the paper failed, when it did
     also_in: date | None = None  # the earlier digest that first published this paper
     # With a reader profile (digest/ranking.py): the score, and why the paper is "for you".
@@ -84,7 +87,7 @@ class DailyDigest:
 def _fingerprinted(entry: DigestEntry) -> dict:
     fields = {**asdict(entry), "review": entry.review.model_dump() if entry.review else None}
     # The model's input, not something the pages show: the summary it produced is hashed.
-    del fields["source_text"]
+    del fields["source_text"], fields["prompt_version"]  # the digest's own is hashed
     # Unranked entries hash as before ranking existed: an upgrade must not re-announce them.
     if entry.rank_score is None and not entry.for_you:
         del fields["rank_score"], fields["for_you"]

@@ -1,5 +1,6 @@
 """Whether a summary's checkable facts come from the paper: every number and every name in it
-must appear in the text the model was given (title, authors, abstract or full text).
+must appear in the text the model was given (title, and abstract or full text; before prompt
+2026-12-05.4 the authors, categories and arXiv id too).
 
 A small model "summarizes" by adding plausible numbers ("improves accuracy by 12%") and names
 (a benchmark, a model family) that the paper never mentions. We cannot check prose, but numbers
@@ -12,6 +13,7 @@ import re
 
 from digest.entries import DigestEntry
 from digest.paper import Paper
+from digest.prompts import PROMPT_VERSION, shows_metadata
 
 # A token with a digit (12%, 3.5, GPT-4, Llama-3.1-8B) or a name: an acronym (BERT, LLMs), a
 # mixed-case word (LoRA, ChatGPT) or a capitalized word inside a sentence (English, Transformer).
@@ -52,16 +54,15 @@ def unsupported(summary: str, source: str) -> list[str]:
     return [t for t in checkable_tokens(summary) if not _found(t, haystack)]
 
 
-def paper_source(paper: Paper, text: str | None = None) -> str:
-    """What the model was given about the paper: its metadata and `text` (abstract default)."""
-    parts = [
-        paper.title,
-        ", ".join(paper.authors),
-        ", ".join(paper.categories),
-        f"arXiv: {paper.arxiv_id}v{paper.version}",
-        text if text is not None else paper.abstract,
-    ]
-    return "\n".join(parts)
+def paper_source(paper: Paper, text: str | None = None, prompt_version: str | None = None) -> str:
+    """What the model was given about the paper: its title and `text` (abstract default), and
+    the authors, categories and id where that prompt version showed them (current: None). A name
+    the prompt did not show is not the paper's to the model, even where the paper has it."""
+    body = text if text is not None else paper.abstract
+    if not shows_metadata(prompt_version or PROMPT_VERSION):
+        return f"{paper.title}\n{body}"
+    metadata = [", ".join(paper.authors), ", ".join(paper.categories)]
+    return "\n".join([paper.title, *metadata, f"arXiv: {paper.arxiv_id}v{paper.version}", body])
 
 
 def _normalize(text: str) -> str:
@@ -82,9 +83,9 @@ def _found(token: str, haystack: str) -> bool:
 
 
 def entry_source(entry: DigestEntry) -> str:
-    """What the entry's summary was made from: the metadata and the abstract, or the full text
+    """What the entry's summary was made from: the title and the abstract, or the full text
     when the summary was made from it (a fact found only in the full text is a fact)."""
-    return paper_source(entry.paper, entry.source_text)
+    return paper_source(entry.paper, entry.source_text, entry.prompt_version)
 
 
 def unverified_entries(entries: list[DigestEntry]) -> list[tuple[str, list[str]]]:

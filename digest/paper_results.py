@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from datetime import date
 
 from digest.chat_client import ChatCallError, ChatResult
+from digest.instruction_echo import drop_recitals
 from digest.paper import Paper
-from digest.prompts import PROMPT_VERSION
+from digest.prompts import PROMPT_VERSION, SUMMARY_INSTRUCTIONS
 from digest.review import InputBasis
 from digest.review_parse import parse_review
 from digest.store.digest_store import CallRecord, DigestStore, WorkKey, utcnow
@@ -80,6 +81,7 @@ def store_summary(
     """Save the tidied summary with its call, and `earlier` calls that led to it (a looping
     reply asked again) in the same transaction; an empty one is a failed call (ChatCallError)."""
     text = tidy_summary(result.text, cut_off=result.finish_reason == "length")
+    text = drop_recitals(text, SUMMARY_INSTRUCTIONS, f"{item.paper.title}\n{item.text}")
     if not text:
         for record in (*earlier, call):
             store.record_call(record)

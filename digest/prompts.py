@@ -18,7 +18,11 @@ from digest.review import InputBasis
 # "Categories:" and "Abstract:" into 5 of its 9 unfaithful summaries) and without the metadata
 # a summary has no use for; the summary task asks what problem the paper addresses first (the
 # model opened with an invented venue, "The paper, published in the Journal of ...").
-PROMPT_VERSION = "2026-12-05.4"
+# .5: the review task without "Task:" either (no label word left in any prompt).
+PROMPT_VERSION = "2026-12-05.5"
+# The first version that shows the paper without its authors, categories and arXiv id: a
+# summary's facts are checked against what its prompt showed (digest/faithfulness.py).
+FIRST_WITHOUT_METADATA = "2026-12-05.4"
 
 SUMMARY_MAX_TOKENS = 256
 REVIEW_MAX_TOKENS = 768
@@ -42,7 +46,10 @@ SUMMARY_TASK = (
     "field. Use only the numbers and names the paper gives."
 )
 
-REVIEW_TASK = """Task: review the paper above. Reply with one JSON object and nothing else, with \
+# Besides the paper, all that a summary call tells the model (a sentence reciting it is dropped).
+SUMMARY_INSTRUCTIONS = f"{SYSTEM}\n{SUMMARY_TASK}"
+
+REVIEW_TASK = """Review the paper above. Reply with one JSON object and nothing else, with \
 exactly these keys:
 - "summary": one or two sentences on what the paper claims;
 - "strengths", "weaknesses", "questions", "limitations": lists of 1 to 4 items, each a short \
@@ -52,6 +59,38 @@ the text given is not enough to judge;
 - "overall": integer 1 (reject) to 10 (award quality), 6 or more meaning accept; "confidence": \
 integer 1 to 5;
 - "input_basis": "{basis}"."""
+
+# The summary tasks of earlier versions whose results were measured (docs/PERFORMANCE.md), so
+# that a store they wrote is measured against what its model was told (digest/quality.py).
+EARLIER_SUMMARY_TASKS = {
+    "2026-11-29.2": "Task: summarize the paper above in 3 to 5 plain sentences for a technical "
+    "reader outside the field: the problem, the approach, the main result, and why it matters. "
+    "Plain prose only: no lists, no headings, no preamble.",
+    "2026-12-05.3": "Task: summarize the paper above in three or four short plain sentences for "
+    "a technical reader outside the field: the problem, the approach, the main result, and why it "
+    "matters. Use only numbers and names that appear in the text above. Plain prose only: no "
+    "lists, no headings, no preamble.",
+    "2026-12-05.4": SUMMARY_TASK,
+}
+
+
+def summary_instructions(prompt_version: str = PROMPT_VERSION) -> str | None:
+    """What the summary call told the model besides the paper (system text and task), for
+    `prompt_version`; None for a version not recorded here."""
+    if prompt_version == PROMPT_VERSION:
+        return SUMMARY_INSTRUCTIONS
+    task = EARLIER_SUMMARY_TASKS.get(prompt_version)
+    return f"{SYSTEM}\n{task}" if task is not None else None
+
+
+def shows_metadata(prompt_version: str) -> bool:
+    """Whether that version's paper block showed authors, categories and the arXiv id."""
+    return _version_key(prompt_version) < _version_key(FIRST_WITHOUT_METADATA)
+
+
+def _version_key(version: str) -> tuple[str, int]:
+    day, _, number = version.partition(".")
+    return day, int(number) if number.isdigit() else 0
 
 
 # Where a truncated full text was cut: a mark, not words the model could repeat as its own.

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 
 from digest.entries import DigestEntry
 from digest.faithfulness import paper_source, unsupported
+from digest.instruction_echo import recitals
+from digest.prompts import summary_instructions
 from digest.repetition import loops
 from digest.review import Review, decision_for, is_phrase
 
@@ -40,6 +42,9 @@ class QualityFigures:
     summaries_unfaithful: int = 0  # a number or name that the paper's text lacks
     summaries_with_labels: int = 0  # "Title:", "Abstract:", ... copied from a prompt
     summaries_naming_a_venue: int = 0  # "published in the Journal of ..."
+    # A sentence restating the instructions ("In three or four sentences, explain ..."); counted
+    # where the store's prompt version is one digest/prompts.py records.
+    summaries_reciting_instructions: int = 0
     reviews: int = 0
     reviews_unparsed: int = 0
     decision_contradicts_score: int = 0
@@ -62,6 +67,11 @@ class QualityFigures:
             ("summaries with facts not in the paper", self.summaries_unfaithful, self.summaries),
             ("summaries with label words (Title: ...)", self.summaries_with_labels, self.summaries),
             ("summaries naming a venue", self.summaries_naming_a_venue, self.summaries),
+            (
+                "summaries reciting the instructions",
+                self.summaries_reciting_instructions,
+                self.summaries,
+            ),
             ("reviews unparsed", self.reviews_unparsed, self.reviews),
             ("decisions contradicting the score", self.decision_contradicts_score, self.reviews),
             ("reviewer summaries unfinished", self.review_summaries_unfinished, self.reviews),
@@ -111,7 +121,8 @@ def _summary(
     if not summary.rstrip().endswith(_FINISHED):
         figures.summaries_unfinished += 1
         figures._example("unfinished", f"{pid}: ...{summary[-80:]}")
-    missing = unsupported(summary, paper_source(entry.paper, text or entry.source_text))
+    source = paper_source(entry.paper, text or entry.source_text, entry.prompt_version)
+    missing = unsupported(summary, source)
     if missing:
         figures.summaries_unfaithful += 1
         figures._example("unfaithful", f"{pid}: {', '.join(missing)}")
@@ -121,6 +132,10 @@ def _summary(
     if venue := _VENUE.search(summary):
         figures.summaries_naming_a_venue += 1
         figures._example("venue", f"{pid}: ...{summary[venue.start() : venue.end() + 40]}")
+    instructions = summary_instructions(entry.prompt_version) if entry.prompt_version else None
+    if instructions and (runs := recitals(summary, instructions, source)):
+        figures.summaries_reciting_instructions += 1
+        figures._example("recital", f"{pid}: {' / '.join(runs)}")
 
 
 def _review(figures: QualityFigures, pid: str, review: Review) -> None:

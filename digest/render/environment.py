@@ -98,8 +98,9 @@ def _finalize_markdown(value: object) -> str:
 
 
 def unverified(summary: str, entry: DigestEntry) -> list[str]:
-    """The summary's numbers and names that the text it was made from lacks (title, authors,
-    and the abstract or the full text): what a reader cannot check (digest/faithfulness.py)."""
+    """The summary's numbers and names that the text it was made from lacks (the title and the
+    abstract or full text, as its prompt showed them): what a reader cannot check
+    (digest/faithfulness.py)."""
     return unsupported(summary, entry_source(entry))
 
 

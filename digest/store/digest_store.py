@@ -591,6 +591,7 @@ class DigestStore:
             review_parse_status=review.parse_status if review else None,  # type: ignore[arg-type]
             input_basis=key.input_basis,
             source_text=self._source_text(summary, key),
+            prompt_version=key.prompt_version,
             error=item.error,
             rank_score=item.rank_score,
             for_you=list(item.for_you or []),

@@ -8,6 +8,7 @@ import xml.etree.ElementTree as ET
 
 from digest.clean_text import xml_safe
 from digest.pipeline import run_digest
+from digest.prompts import REVIEW_TASK, SUMMARY_TASK
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
 from tests.digest.fault_server import Fault, FaultServer, review_for
@@ -48,8 +49,8 @@ def test_bad_characters_reach_neither_the_store_nor_the_outputs(tmp_path, db_url
     # The model may emit them too: raw in a summary, JSON-escaped inside a review.
     review = review_for("A clean title") | {"strengths": ["Good\u0000 and \u0001 odd"]}
     faults = [
-        Fault("text", match="Task: summarize", text="A summary\x01 with \x00 a NUL.", times=1),
-        Fault("text", match="Task: review", text=json.dumps(review), times=-1),
+        Fault("text", match=SUMMARY_TASK[:40], text="A summary\x01 with \x00 a NUL.", times=1),
+        Fault("text", match=REVIEW_TASK[:40], text=json.dumps(review), times=-1),
     ]
     with FaultServer(faults=faults) as stub:
         run.endpoint = stub.base_url
@@ -66,6 +67,7 @@ def test_bad_characters_reach_neither_the_store_nor_the_outputs(tmp_path, db_url
     assert all(xml_safe(t) == t for t in texts), texts
     # The characters go; the review's list items are also normalized to single spaces.
     assert "Good and odd" in texts
+    assert "A summary with a NUL." in texts  # the faults above hit: the model's own text
 
     out = tmp_path / "out"
     feed = ET.parse(out / "feed.xml").getroot()  # raises on any illegal character

@@ -13,10 +13,12 @@ from bs4 import BeautifulSoup
 
 from digest.entries import DigestEntry
 from digest.faithfulness import checkable_tokens, paper_source, unsupported
+from digest.instruction_echo import drop_recitals, recitals
 from digest.paper import Paper
 from digest.pipeline import run_digest
 from digest.prompts import (
     SUMMARY_FREQUENCY_PENALTY,
+    SUMMARY_INSTRUCTIONS,
     SUMMARY_RETRY_FREQUENCY_PENALTY,
     paper_block,
     review_messages,
@@ -177,10 +179,65 @@ def test_bench_digest_quality_runs_the_digest_and_counts(tmp_path):
     assert (tmp_path / "work" / "out" / f"digest-{date(2026, 3, 31)}.html").is_file()
 
 
-def test_the_source_includes_the_metadata_the_model_was_shown():
+def test_the_source_is_what_the_summary_prompt_showed():
     paper = Paper("2603.00001", "Tiny Models", "We test tiny models.", ["Ada Lovelace"], ["cs.CL"])
-    said = "Lovelace's Tiny Models (arXiv 2603.00001v1, cs.CL) are tested."
-    assert unsupported(said, paper_source(paper)) == []
+    said = "Tiny Models by Lovelace (arXiv 2603.00001v1, cs.CL) are tested."
+    # Today's prompt shows the title and the text only: the author, id and category in a
+    # summary came from somewhere else (the model cannot have read them there).
+    assert unsupported(said, paper_source(paper)) == [
+        "Lovelace",
+        "arXiv",
+        "2603.00001v1",
+        "cs.CL",
+    ]
+    # A store written under a prompt that showed them is checked against them.
+    assert unsupported(said, paper_source(paper, prompt_version="2026-11-29.2")) == []
+    assert unsupported(said, paper_source(paper, prompt_version="2026-12-05.4")) != []
+
+
+def test_a_sentence_reciting_the_instructions_is_dropped_and_counted(tmp_path):
+    """Found on real papers: "In three or four sentences, explain what problem ..." came back as
+    a summary's sentence. It is dropped before the summary is stored; a store written before
+    that is counted by the quality figures."""
+    recital = "In three or four plain sentences, the paper explains what problem it addresses."
+    summary = f"Tiny models are tested on two tasks. {recital} They work well on both."
+    assert recitals(summary, SUMMARY_INSTRUCTIONS, "Tiny models are tested.") == [
+        "in three or four plain"
+    ]
+    # The paper's own words are not a recital, even where the instructions share them.
+    assert recitals(summary, SUMMARY_INSTRUCTIONS, f"We write {recital}") == []
+    assert drop_recitals(summary, SUMMARY_INSTRUCTIONS, "") == (
+        "Tiny models are tested on two tasks. They work well on both."
+    )
+    assert drop_recitals(recital, SUMMARY_INSTRUCTIONS, "") == recital  # nothing else to say
+    papers = write_papers(tmp_path / "papers.jsonl")
+    reciting = Fault("text", text=summary, match="In three or four plain sentences", times=-1)
+    with FaultServer(faults=[reciting]) as stub:
+        figures = run_quality_bench(
+            QualityBenchConfig(
+                papers=str(papers),
+                num_papers=2,
+                endpoint=stub.base_url,
+                model="stub-model",
+                work_dir=str(tmp_path / "a"),
+            ),
+            echo=lambda _: None,
+        )["figures"]
+    assert figures["summaries"] == 2 and figures["summaries_reciting_instructions"] == 0
+    store = DigestStore(open_database(f"sqlite:///{tmp_path / 'a' / 'quality.db'}"))
+    digest = store.load_digest(date(2026, 3, 31))
+    assert [e.summary for e in digest.entries] == [
+        "Tiny models are tested on two tasks. They work well on both."
+    ] * 2
+    # As an earlier digest stored it (before recitals were dropped): counted.
+    key = WorkKey(digest.model, digest.prompt_version, "abstract")
+    row = store.summary("2603.00001", key)
+    with store.session() as s, s.begin():
+        s.get(type(row), row.id).text = summary
+    cfg = QualityBenchConfig(work_dir=str(tmp_path / "a"), measure_only=True)
+    figures = run_quality_bench(cfg, echo=lambda _: None)["figures"]
+    assert figures["summaries_reciting_instructions"] == 1
+    assert figures["examples"]["recital"] == ["2603.00001: in three or four plain"]
 
 
 def test_measure_only_counts_a_store_as_it_was_written(tmp_path):

@@ -1,0 +1,55 @@
+"""Whether a summary recites its instructions instead of the paper.
+
+A small model sometimes answers the task by restating it: "In three or four sentences, explain
+what problem the paper addresses ..." or "for a technical reader outside the field". Such a
+sentence says nothing about the paper. A sentence that shares a run of ECHO_WORDS words with the
+instructions the model was given (the system text and the task), where the paper's own text does
+not hold that run, is a recital: the digest drops it from the published summary, and the quality
+benchmark counts the summaries that still hold one (issue 19)."""
+
+from __future__ import annotations
+
+import re
+
+# Five words in a row: shorter runs are ordinary phrasing shared with any text about a paper
+# ("the paper addresses the"), longer ones miss a recital that changes a word ("explain what
+# problem the paper above addresses" -> "explains what problem the paper addresses").
+ECHO_WORDS = 5
+
+_WORD = re.compile(r"[a-z0-9]+")
+# As summary_text splits sentences: at . ! ? followed by space and an upper-case letter, digit,
+# quote or bracket.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9$])")
+
+
+def _runs(text: str, n: int = ECHO_WORDS) -> set[tuple[str, ...]]:
+    words = _WORD.findall(text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def recited(sentence: str, instructions: str, source: str) -> str | None:
+    """The first run of ECHO_WORDS words of `sentence` that `instructions` holds and `source`
+    (the paper as the model saw it) does not, joined by spaces; else None."""
+    words = _WORD.findall(sentence.lower())
+    told, paper = _runs(instructions), None
+    for i in range(len(words) - ECHO_WORDS + 1):
+        run = tuple(words[i : i + ECHO_WORDS])
+        if run in told:
+            paper = _runs(source) if paper is None else paper
+            if run not in paper:
+                return " ".join(run)
+    return None
+
+
+def recitals(text: str, instructions: str, source: str) -> list[str]:
+    """The runs of `text`'s sentences that recite the instructions, one per such sentence."""
+    found = (recited(s, instructions, source) for s in _SENTENCE_END.split(text))
+    return [run for run in found if run]
+
+
+def drop_recitals(text: str, instructions: str, source: str) -> str:
+    """`text` without its sentences that recite the instructions. A text that is nothing but a
+    recital is returned as it is: the faithful way to publish it is unchanged (and counted)."""
+    sentences = [s for s in _SENTENCE_END.split(text) if s]
+    kept = [s for s in sentences if recited(s, instructions, source) is None]
+    return " ".join(kept) if kept else text
