@@ -11,7 +11,7 @@ not awaited: every result is already stored, so the next run of that date does o
 A night whose delivery failed (the mail server down, a webhook answering 500) is delivered again
 by one-off jobs at the times digest/delivery/retry.py reads from the deliveries table: bounded
 attempts with a doubling wait, each under the job lock, sending only the stored digest to the
-targets that have not received it. A scheduler started again picks up the newest night's
+targets that have not received it. A scheduler started again picks up every night's pending
 retries where the table left them."""
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def run_scheduler(scheduler: BlockingScheduler) -> None:
     nightly: NightlyJob = scheduler.get_job("nightly-digest").func
     if nightly.retries is not None:
         try:
-            nightly.retries.arm_newest()
+            nightly.retries.arm_pending()
         except Exception:  # the nights still run; their own failures are retried
             log.exception("could not look for a delivery to retry")
 

@@ -1,6 +1,6 @@
 """Retrying a night's failed delivery under `digest schedule`: bounded attempts with a doubling
 wait, made as one-off scheduler jobs (digest/schedule.py arms the first after a night whose
-email or webhook failed, and the newest night's at start).
+email or webhook failed, and at start those an earlier scheduler left pending, every night's).
 
 The `deliveries` table is the whole state. A target's attempts at the digest as it is now (its
 fingerprint) are counted there, the night's included: a target is due again `wait_s(n)` after
@@ -118,14 +118,14 @@ class DeliveryRetries:
             self._at(day, when)
         return when
 
-    def arm_newest(self) -> None:
-        """At start: the newest night's retries, where an earlier scheduler left them."""
+    def arm_pending(self) -> list[date]:
+        """At start: every night whose retries an earlier scheduler left pending (one stopped
+        for days may have left several); the dates armed."""
         if self.config is None or self.policy.retries == 0:
-            return
+            return []
         with _store(self.db_url, upgrade=True) as store:
-            newest = store.digest_dates(1)
-        if newest:
-            self.arm(newest[0])
+            nights = store.dates_with_failed_deliveries()
+        return [day for day in nights if self.arm(day) is not None]
 
     def attempt(self, day: date) -> None:
         """One attempt at the date's due targets, under the job lock (never beside a run or

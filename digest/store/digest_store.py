@@ -415,6 +415,12 @@ class DigestStore:
                 )
             )
 
+    def dates_with_failed_deliveries(self) -> list[date]:
+        """The digest dates with a failed delivery attempt on record, oldest first."""
+        with self.session() as s:
+            failed = select(DeliveryRow.digest_date).where(DeliveryRow.status == "failed")
+            return list(s.scalars(failed.distinct().order_by(DeliveryRow.digest_date)))
+
     def items(self, digest_date: date) -> list[tuple[DigestItemRow, Paper]]:
         with self.session() as s:
             rows = s.execute(

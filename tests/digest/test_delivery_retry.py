@@ -13,10 +13,17 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import text
 
 from digest.delivery import delivery_config
-from digest.delivery.retry import RetryPolicy, next_attempt, retry_due, target_states
+from digest.delivery.retry import (
+    DeliveryRetries,
+    RetryPolicy,
+    next_attempt,
+    retry_due,
+    target_states,
+)
 from digest.pipeline import run_digest
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore
@@ -74,6 +81,35 @@ def test_the_table_sets_when_a_target_is_due_and_bounds_the_attempts(tmp_path, d
         assert len(stub.requests) == 8  # no model call after the night's
     assert len(hook.posts) == 4
     assert _rows(db_url) == [("webhook", "failed")] * 3 + [("webhook", "sent")]
+
+
+def test_a_start_arms_every_night_with_attempts_left(tmp_path, db_url):
+    """A scheduler stopped over two failed nights re-arms both at start, not only the newest;
+    a night out of attempts, or sent, is not armed."""
+    nights = [DAY - timedelta(days=2), DAY - timedelta(days=1), DAY]
+    with Hook() as hook, FaultServer() as stub:
+        config = delivery_config([], hook.url, None)
+        for day, status in zip(nights, (500, 500, 200), strict=True):
+            hook.status = status
+            run_digest(options(tmp_path, db_url, stub.base_url, delivery=config, digest_date=day))
+        store = DigestStore(open_database(db_url))
+        assert store.dates_with_failed_deliveries() == nights[:2]
+        scheduler = BackgroundScheduler(timezone="UTC")  # never started: jobs stay pending
+        retries = DeliveryRetries(db_url, config, RetryPolicy(retries=2), scheduler)
+        assert retries.arm_pending() == nights[:2]
+        ids = sorted(job.id for job in scheduler.get_jobs())
+        assert ids == [f"delivery-retry-{day.isoformat()}" for day in nights[:2]]
+        # The oldest night spends its attempts: a later start leaves it alone.
+        digest, hook.status = store.load_digest(nights[0]), 500
+        for _ in range(2):
+            retry_due(store, digest, config, RetryPolicy(retries=2, first_wait_s=0.0))
+        assert target_states(store, digest, config)[0].failures == 3
+        later = BackgroundScheduler(timezone="UTC")
+        assert DeliveryRetries(db_url, config, RetryPolicy(retries=2), later).arm_pending() == [
+            nights[1]
+        ]
+        # The first night made the calls (later nights reuse its results); the retries none.
+        assert len(hook.posts) == 5 and len(stub.requests) == 8
 
 
 def _schedule(tmp_path: Path, db_url: str, stub: str, hook: str, at: str, log, *extra: str):
