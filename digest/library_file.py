@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from digest.clean_text import xml_safe
+from digest.latex_text import latex_to_text
 from digest.paper import InvalidArxivId, parse_arxiv_id
 from workload.input_file import BadInputFile, read_json, read_text
 
@@ -140,13 +141,19 @@ def _value(text: str, pos: int, path: Path | str, line: int) -> tuple[str, int]:
         return "".join(parts), pos
 
 
-_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\*?|\\.")
+# Old-style font switches (`{\\em Deep}`), common in BibTeX titles: markup, not words.
+_FONT_SWITCH = re.compile(
+    r"\\(?:em|bf|it|sl|sc|tt|rm|sf|up|md|normalfont|bfseries|itshape|slshape|scshape|upshape"
+    r"|mdseries|rmfamily|sffamily|ttfamily|tiny|scriptsize|footnotesize|small|normalsize|large"
+    r"|Large|LARGE|huge|Huge)(?![A-Za-z])\s*"
+)
 
 
 def latex_words(text: str) -> str:
-    """Markup reduced to its words: `{\\em Deep} \\& {BERT}` -> `Deep BERT`."""
-    text = _LATEX_COMMAND.sub(" ", text)
-    return " ".join(xml_safe(text.replace("{", "").replace("}", "").replace("~", " ")).split())
+    """Markup reduced to its text as the pages show LaTeX (digest/latex_text.py): accents
+    kept in their word (`S{\\"a}tze` is Sätze, not "S atze"), `$\\alpha$` is α, `{\\em Deep}
+    \\& {BERT}` is `Deep & BERT`."""
+    return " ".join(xml_safe(latex_to_text(_FONT_SWITCH.sub("", text))).split())
 
 
 def _bib_paper(fields: dict[str, str]) -> LibraryPaper | None:

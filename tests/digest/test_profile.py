@@ -52,10 +52,26 @@ def test_bibtex_entries_titles_abstracts_and_arxiv_ids(tmp_path):
     assert papers[0].abstract.startswith("Inference from large autoregressive models is slow")
     assert "draft models" in papers[0].abstract
     assert papers[1].title == "Accelerating LLM decoding with speculative sampling"
-    assert papers[3].title == "The book"  # \TeX is markup, not a word
+    assert papers[3].title == "The TeXbook"
     fields = parse_bibtex(BIB)
     assert [f["ID"] for f in fields] == ["leviathan2023", "chen2023", "datacite", "knuth"]
     assert fields[0]["year"] == "2023" and fields[1]["booktitle"] == "acl"
+
+
+def test_bibtex_accents_stay_in_their_words(tmp_path):
+    """Found from outside: `S{\\"a}tze` was read as "S atze" and `r{\\'e}sum{\\'e}` as
+    "r esum e", words TF-IDF then never matched; `$\\alpha$` was "$ $"."""
+    path = tmp_path / "library.bib"
+    path.write_text(
+        r"""@article{godel,
+  title = {{\"U}ber formal unentscheidbare S{\"a}tze der {Principia} Mathematica},
+  abstract = {Na{\"\i}ve r{\'e}sum{\'e} of {\c c}a, $\alpha$-stable, {\em emphasised} Erd\H{o}s},
+}
+"""
+    )
+    (paper,) = read_library(path)
+    assert paper.title == "Über formal unentscheidbare Sätze der Principia Mathematica"
+    assert paper.abstract == "Naïve résumé of ça, α-stable, emphasised Erdős"
 
 
 @pytest.mark.parametrize(
