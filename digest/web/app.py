@@ -24,6 +24,7 @@ from jinja2 import ChoiceLoader, Environment, PackageLoader
 from sqlalchemy import Engine, case, func, select
 from starlette.exceptions import HTTPException
 
+from digest.clean_text import xml_safe
 from digest.render.environment import html_environment
 from digest.render.feed import render_feed
 from digest.render.html_page import render_html_page
@@ -116,6 +117,8 @@ def create_app(engine: Engine) -> FastAPI:
     ) -> HTMLResponse:
         asked = {"q": q, "category": category, "date": date_, "for_you": for_you}
         day = _parse_day(date_, status=400) if date_ else None
+        if xml_safe(category) != category:  # NUL: a database error on PostgreSQL
+            raise HTTPException(400, f"not a category (control characters): {category!r}")
         if not (q.strip() or category or day or for_you):
             return _page("site_search.html", results=None, **form(**asked))
         try:
