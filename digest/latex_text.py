@@ -19,6 +19,18 @@ _KEEP_ARGUMENT = frozenset(
 )
 # Commands dropped with their argument: references that mean nothing outside the paper.
 _DROP_ARGUMENT = frozenset("cite citep citet ref eqref label footnote".split())
+# Commands dropped with their argument that are not references: environments' names.
+_DROP_WITH_ARGUMENT = frozenset("begin end vspace hspace".split())
+# Commands that take two arguments: \frac{a}{b} as a/b, \href{url}{text} as its text.
+_TWO_ARGUMENTS = frozenset("frac dfrac tfrac cfrac href".split())
+# Without an argument these change how what follows looks, not what it says: {\em x} is x,
+# $\bar x$ is x.
+_SWITCHES = frozenset(
+    "em bf it rm sc sf tt sl up md normalfont itshape bfseries scshape ttfamily sffamily "
+    "rmfamily upshape mdseries small footnotesize scriptsize tiny normalsize large Large LARGE "
+    "huge Huge hat bar tilde vec dot ddot widehat widetilde overline check breve acute grave "
+    "mathring overrightarrow centering item".split()
+)
 _SYMBOLS = {
     # Greek
     **{name: chr(code) for name, code in (
@@ -47,6 +59,11 @@ _SYMBOLS = {
     " ": " ", "!": "", "\\": " ", "LaTeX": "LaTeX", "TeX": "TeX",
     "left": "", "right": "", "big": "", "Big": "", "bigl": "", "bigr": "",
     "displaystyle": "", "textstyle": "", "noindent": "", "newline": " ",
+    "colon": ":", "implies": "⟹", "iff": "⟺", "neg": "¬", "land": "∧", "lor": "∨",
+    "cdotp": "·", "prime": "′", "-": "", "/": "", "@": "",
+    # Letters arXiv author lists carry as LaTeX: \L{}ukasz, Bj\o{}rn, Stra\ss{}e
+    "ss": "ß", "o": "ø", "O": "Ø", "ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "aa": "å",
+    "AA": "Å", "l": "ł", "L": "Ł", "i": "ı", "j": "ȷ",
 }  # fmt: skip
 # \'e \"o \`a \^o \~n \=a \.z \u{g} \v{s} \H{o} \c{c}: the letter with its combining mark.
 _ACCENTS = {
@@ -60,14 +77,9 @@ _SUB_OK = set("0123456789+-=()aeiojkmnprstx")
 
 _GROUP = r"\{((?:[^{}]|\{[^{}]*\})*)\}"  # a braced argument, one level of nesting inside
 _ACCENT = re.compile(r"\{?\\([`'^\"~=.]|[uvHck](?=[{\s]))\s*\{?\\?([A-Za-z])\}?\}?")
-_COMMAND_WITH_GROUP = re.compile(r"\\([A-Za-z]+)\*?\s*" + _GROUP)
-_FRAC = re.compile(r"\\[dt]?frac\s*" + _GROUP + r"\s*" + _GROUP)
-_SQRT = re.compile(r"\\sqrt\s*" + _GROUP)
-_HREF = re.compile(r"\\href\s*" + _GROUP + r"\s*" + _GROUP)
-_COMMAND = re.compile(r"\\([A-Za-z]+|[^A-Za-z\s])")
+_NAME = re.compile(r"([A-Za-z]+)\*?")
 _MATH = re.compile(r"(?<!\\)\$\$(.+?)(?<!\\)\$\$|(?<!\\)\$((?:\\.|[^$\\])+?)\$", re.DOTALL)
 _SCRIPT = re.compile(r"([\^_])\s*(?:" + _GROUP + r"|(\\[A-Za-z]+|[^\s{}\\]))")
-_BRACE = re.compile(r"(?<!\\)[{}]")
 # A reference with the space before it: "as shown \cite{x}." is "as shown."
 _REFERENCE = re.compile(r"\s*\\(?:" + "|".join(sorted(_DROP_ARGUMENT)) + r")\*?\s*\{[^{}]*\}")
 
@@ -76,21 +88,23 @@ def latex_to_text(text: str) -> str:
     if not any(c in text for c in "\\$~{}`'-"):
         return text
     text = _REFERENCE.sub("", text)
-    text = _MATH.sub(lambda m: _math(m.group(1) or m.group(2)), text)
-    text = _prose(text)
-    return " ".join(text.split())
+    # Math and the prose around it apart: math's result is text already (`$\{1\}$` is {1}),
+    # and reading it again as LaTeX would drop its braces.
+    parts, pos = [], 0
+    for match in _MATH.finditer(text):
+        parts += [_prose(text[pos : match.start()]), _math(match.group(1) or match.group(2))]
+        pos = match.end()
+    parts.append(_prose(text[pos:]))
+    return " ".join("".join(parts).split())
 
 
 def _math(body: str) -> str:
-    body = _FRAC.sub(lambda m: f"{_operand(m.group(1))}/{_operand(m.group(2))}", body)
-    body = _SQRT.sub(lambda m: f"√({_math(m.group(1))})", body)
     body = _SCRIPT.sub(_script, body)
-    body = body.replace("~", " ")
-    return _commands(body)
+    return _commands(body.replace("~", " "))
 
 
 def _operand(group: str) -> str:
-    text = _math(group).strip()
+    text = _commands(group).strip()
     return text if text.isalnum() else f"({text})"
 
 
@@ -111,26 +125,94 @@ def _prose(text: str) -> str:
 
 
 def _commands(text: str) -> str:
+    """Commands replaced by their text in one left-to-right pass: a replacement is never read
+    again, so `\\to\\mathbb{R}` cannot glue into an unknown command `\\toR`, and arguments nest
+    to any depth (`\\emph{\\textit{a {b {c}}}}`). An unbalanced brace is dropped."""
     text = _ACCENT.sub(_accent, text)
-    text = _HREF.sub(lambda m: m.group(2), text)
-    previous = None
-    while previous != text:  # \textbf{\emph{x}}: inner groups first, a few rounds at most
-        previous = text
-        text = _COMMAND_WITH_GROUP.sub(_with_group, text)
-    text = _COMMAND.sub(lambda m: _SYMBOLS.get(m.group(1), m.group(1)), text)
-    return _BRACE.sub("", text)
+    out: list[str] = []
+    pos, end = 0, len(text)
+    while pos < end:
+        char = text[pos]
+        if char in "{}":  # a group's own braces (`{\em x}`), or an unbalanced one
+            pos += 1
+            continue
+        if char != "\\" or pos + 1 == end:
+            out.append(char)
+            pos += 1
+            continue
+        name_match = _NAME.match(text, pos + 1)
+        if name_match is None:  # \% \{ \, \\ and the like
+            symbol = text[pos + 1]
+            out.append(_SYMBOLS.get(symbol, symbol))
+            pos += 2
+            continue
+        name, pos = name_match.group(1), name_match.end()
+        argument, after = _argument(text, pos)
+        if argument is None:
+            out.append(_bare(name))
+            continue
+        pos = after
+        if name in _TWO_ARGUMENTS:
+            second, after_second = _argument(text, pos)
+            if second is not None:
+                pos = after_second
+                out.append(
+                    _commands(second)
+                    if name == "href"
+                    else f"{_operand(argument)}/{_operand(second)}"
+                )
+                continue
+        out.append(_with_argument(name, argument))
+    return "".join(out)
+
+
+def _argument(text: str, pos: int) -> tuple[str | None, int]:
+    """The balanced `{...}` group at `pos` (after blanks) and the position after it; (None,
+    pos) when there is none or it never closes."""
+    start = pos
+    while start < len(text) and text[start] in " \t\n":
+        start += 1
+    if start >= len(text) or text[start] != "{":
+        return None, pos
+    depth, i = 0, start
+    while i < len(text):
+        char = text[i]
+        if char == "\\":
+            i += 2  # \{ and \} do not count
+            continue
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : i], i + 1
+        i += 1
+    return None, pos
+
+
+def _with_argument(name: str, argument: str) -> str:
+    if name in _DROP_ARGUMENT or name in _DROP_WITH_ARGUMENT:
+        return ""
+    inner = _commands(argument)
+    if name == "sqrt":
+        return f"√({inner.strip()})"
+    if name in _SYMBOLS and name not in _KEEP_ARGUMENT:
+        return _SYMBOLS[name] + inner  # \L{}ukasz; \hat{x}-like commands: symbol, argument
+    return inner  # fonts, boxes, math accents, an unknown macro: its text is the best guess
+
+
+def _bare(name: str) -> str:
+    """A command without a braced argument: its symbol; nothing for a font switch, a math
+    accent or a fonts command that lost its brace (`{\\em x}`, `\\bar x`, `\\textbf x`); else
+    its name (a paper's own macro, `\\modelname`, reads as a word)."""
+    if name in _SYMBOLS:
+        return _SYMBOLS[name]
+    if name in _KEEP_ARGUMENT or name in _SWITCHES or name in _DROP_WITH_ARGUMENT:
+        return ""
+    if name in _DROP_ARGUMENT:
+        return ""
+    return name
 
 
 def _accent(match: re.Match[str]) -> str:
     return unicodedata.normalize("NFC", match.group(2) + _ACCENTS[match.group(1)])
-
-
-def _with_group(match: re.Match[str]) -> str:
-    name, argument = match.group(1), match.group(2)
-    if name in _DROP_ARGUMENT:
-        return ""
-    if name in _KEEP_ARGUMENT:
-        return argument
-    if name in _SYMBOLS:  # \hat{x}-like commands we do not know: the symbol, then its argument
-        return _SYMBOLS[name] + argument
-    return argument  # an unknown macro: its text is the best guess
