@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -79,15 +80,23 @@ def rank_papers(
     return [ranked[i] for i in order]
 
 
+def _folded(text: str) -> str:
+    """Compared without case, accents or repeated spaces, as TF-IDF compares words
+    (`strip_accents`): "Gaetan" typed on a plain keyboard follows arXiv's "Gaëtan"."""
+    decomposed = unicodedata.normalize("NFKD", text)
+    bare = "".join(c for c in decomposed if not unicodedata.combining(c))
+    return " ".join(bare.casefold().split())
+
+
 def _explicit_matches(item: Ranked, profile: ReaderProfile) -> None:
-    names = {" ".join(a.split()).casefold() for a in item.paper.authors}
+    names = {_folded(a) for a in item.paper.authors}
     for author in profile.authors:
-        if author.casefold() in names:
+        if _folded(author) in names:
             item.score += AUTHOR_BONUS
             item.reasons.append(f"by {author}")
-    text = f"{item.paper.title} {item.paper.abstract}"
+    text = _folded(f"{item.paper.title} {item.paper.abstract}")
     for keyword in profile.keywords:
-        if re.search(rf"(?<!\w){re.escape(keyword)}(?!\w)", text, re.IGNORECASE):
+        if re.search(rf"(?<!\w){re.escape(_folded(keyword))}(?!\w)", text):
             item.score += KEYWORD_BONUS
             item.reasons.append(f"mentions “{keyword}”")
 

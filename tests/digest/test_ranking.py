@@ -80,6 +80,26 @@ def test_authors_and_keywords_outrank_the_classifier_and_match_whole_words():
     assert next(r for r in ranked if r.paper.arxiv_id == "2603.00001").reasons == []
 
 
+def test_authors_and_keywords_match_whatever_their_accents():
+    """Found from outside: `--author "Gaetan Peter"` never matched arXiv's "Gaëtan Peter", nor
+    `--keyword "naive Bayes"` an abstract's "naïve Bayes" (TF-IDF strips accents; these did
+    not)."""
+    papers = [
+        _paper(1, "Graph neural networks"),
+        _paper(2, "Security benchmarks", ["Gaëtan Peter", "Roos Wensveen"]),
+        Paper("2603.00003", "Text classifiers", "A naïve  Bayes baseline.", ["A. B."]),
+    ]
+    profile = ReaderProfile(keywords=["Naive Bayes"], authors=["Gaetan Peter"])
+    ranked = rank_papers(papers, profile)
+    assert [(r.paper.arxiv_id, r.reasons) for r in ranked[:2]] == [
+        ("2603.00002", ["by Gaetan Peter"]),
+        ("2603.00003", ["mentions “Naive Bayes”"]),
+    ]
+    # And the other way round: a profile typed with accents matches a plain spelling.
+    plain = ReaderProfile(authors=["Gaëtan Péter"])
+    assert rank_papers([_paper(4, "X", ["Gaetan Peter"])], plain)[0].for_you
+
+
 def test_ties_keep_the_source_order_and_an_empty_night_is_empty():
     papers = [_paper(n, t) for n, t in enumerate(OTHER, 1)]
     ranked = rank_papers(papers, ReaderProfile(keywords=["nothing matches this"]))
