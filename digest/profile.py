@@ -181,9 +181,19 @@ def _tagged(value: object) -> TaggedPaper:
 
 
 def save_profile(path: Path, profile: ReaderProfile) -> None:
-    """Write the profile atomically (a crash leaves the old file, never half of one)."""
+    """Write the profile atomically (a crash leaves the old file, never half of one);
+    ProfileError names a file that cannot be written."""
     from digest.render import write_atomic
 
     data = {"version": PROFILE_VERSION, **asdict(profile)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(data, indent=1, ensure_ascii=False) + "\n")
+    except OSError as exc:  # a parent that is a file, a read-only or full file system
+        where = exc.filename if exc.filename and str(exc.filename) != str(path) else None
+        problem = exc.strerror or str(exc)
+        if isinstance(exc, FileExistsError) and where:
+            problem = "not a directory"
+        raise ProfileError(
+            f"cannot write profile {path}: {f'{where}: ' if where else ''}{problem}"
+        ) from None

@@ -106,9 +106,9 @@ def profile_add(
             typer.echo(
                 f"{library}: {added} new of {len(papers)} paper(s) under tag {tag or 'library'!r}"
             )
+        save_profile(path, reader)
     except (ProfileError, BadInputFile) as exc:
         raise fail(str(exc)) from None
-    save_profile(path, reader)
     typer.echo(f"wrote {path}")
 
 
@@ -154,9 +154,9 @@ def profile_remove(
         reader.remove(keyword or [], author or [], _paper_ids(like or []))
         if tag is not None:
             reader.drop_tag(tag)
+        save_profile(path, reader)
     except ProfileError as exc:
         raise fail(str(exc)) from None
-    save_profile(path, reader)
     typer.echo(f"wrote {path}")
 
 

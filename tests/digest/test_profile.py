@@ -215,6 +215,24 @@ def test_the_profile_command_adds_shows_and_refuses_bad_input(tmp_path, db_url):
     assert set(load_profile(path).tags) == {"liked"}
 
 
+def test_a_profile_that_cannot_be_written_is_one_line(tmp_path):
+    """Found from outside: `--profile` under a file (or on a read-only file system) ended
+    `profile add` with a FileExistsError traceback and exit 1."""
+    parent = tmp_path / "not-a-folder"
+    parent.write_text("a file\n")
+    path = parent / "profile.json"
+    with pytest.raises(ProfileError, match="cannot write profile .*not-a-folder"):
+        save_profile(path, ReaderProfile(keywords=["x"]))
+    result = CliRunner().invoke(
+        app, ["digest", "profile", "add", "--profile", str(path), "--keyword", "x"]
+    )
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: cannot write profile ") and "Traceback" not in (
+        result.output
+    )
+    assert parent.read_text() == "a file\n"
+
+
 def test_digest_run_refuses_a_missing_or_broken_profile(tmp_path, sqlite_url):
     runner = CliRunner()
     base = ["digest", "run", "--source", "examples/papers-2026-03-sample.jsonl", "--db"]
