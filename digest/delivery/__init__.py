@@ -10,6 +10,7 @@ not announced in the feed."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from functools import partial
@@ -18,6 +19,7 @@ from digest.delivery.message import email_message, slack_payload
 from digest.delivery.smtp_email import (
     DeliveryConfigError,
     DeliveryError,
+    PartlyRefused,
     SmtpSettings,
     check_recipients,
     send_email,
@@ -96,6 +98,16 @@ def deliver(
             continue
         try:
             send()
+        except PartlyRefused as exc:
+            # The others have it: recorded as sent, so that no retry mails them twice.
+            store.record_delivery(digest.digest_date, channel, target, fingerprint, None)
+            day = digest.digest_date.isoformat()
+            note = (
+                f"{exc}; the others have it. Send it to the refused ones once their address is "
+                f"fixed: nightshift digest deliver --date {day} --email-to ADDRESSES"
+            )
+            outcomes.append(DeliveryOutcome(channel, target, "sent", note))
+            continue
         except DeliveryError as exc:
             store.record_delivery(digest.digest_date, channel, target, fingerprint, str(exc))
             outcomes.append(DeliveryOutcome(channel, target, "failed", str(exc)))
@@ -103,7 +115,8 @@ def deliver(
         store.record_delivery(digest.digest_date, channel, target, fingerprint, None)
         outcomes.append(DeliveryOutcome(channel, target, "sent"))
     for outcome in outcomes:
-        (log.error if outcome.status == "failed" else log.info)("%s", outcome.line())
+        problem = outcome.status == "failed" or (outcome.status == "sent" and outcome.note)
+        (log.error if problem else log.info)("%s", outcome.line())
     return outcomes
 
 
@@ -111,10 +124,31 @@ def target_names(config: DeliveryConfig) -> list[tuple[str, str]]:
     """(channel, target) of each configured target, as the deliveries table names them."""
     names = []
     if config.email_to and config.smtp is not None:
-        names.append(("email", ", ".join(config.email_to)))
+        names.append(("email", recipients_name(config.email_to)))
     if config.webhook_url:
         names.append(("webhook", target_name(config.webhook_url)))
     return names
+
+
+# The deliveries table's target column holds 500 characters; a longer name was stored cut,
+# never matched the full one again, and every rerun mailed the whole list once more.
+TARGET_CHARS = 500
+
+
+def recipients_name(recipients: list[str]) -> str:
+    """The email target's name: the addresses, or for a list too long to store, the first of
+    them, the count of the rest and a hash of the whole list (a changed list is a new target)."""
+    name = ", ".join(recipients)
+    if len(name) <= TARGET_CHARS:
+        return name
+    tag = hashlib.sha256(name.encode()).hexdigest()[:12]
+    shown: list[str] = []
+    for address in recipients:
+        candidate = ", ".join([*shown, address])
+        if len(candidate) > TARGET_CHARS - 60:
+            break
+        shown.append(address)
+    return f"{', '.join(shown)} and {len(recipients) - len(shown)} more #{tag}"
 
 
 def _targets(digest: DailyDigest, config: DeliveryConfig) -> list[tuple]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 from email.message import EmailMessage
-from email.utils import formatdate, make_msgid
+from email.utils import formatdate, make_msgid, parseaddr
 from functools import cache
 
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
@@ -78,7 +78,8 @@ def email_message(
     message["From"] = sender
     message["To"] = ", ".join(recipients)
     message["Date"] = formatdate(localtime=False)
-    message["Message-ID"] = make_msgid(domain=sender.rpartition("@")[2] or None)
+    # The sender may carry a name ("Paper digest <digest@example.org>"): its address's domain.
+    message["Message-ID"] = make_msgid(domain=parseaddr(sender)[1].rpartition("@")[2] or None)
     message.set_content(rendered.text)
     message.add_alternative(rendered.html, subtype="html")
     return message

@@ -15,6 +15,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.message import EmailMessage
+from email.utils import parseaddr
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -63,7 +64,9 @@ class SmtpSettings:
             missing = "NIGHTSHIFT_SMTP_PASSWORD" if password is None else "NIGHTSHIFT_SMTP_USER"
             raise DeliveryConfigError(f"SMTP authentication needs {missing} as well")
         sender = (env.get("NIGHTSHIFT_SMTP_FROM") or user or "").strip()
-        if "@" not in sender:
+        # "Paper digest <digest@example.org>" is a sender too: the address is checked.
+        _, address = parseaddr(sender)
+        if _address_problem(address) or "\n" in sender or "\r" in sender:
             raise DeliveryConfigError(
                 "NIGHTSHIFT_SMTP_FROM must be an email address (the sender; default: "
                 f"NIGHTSHIFT_SMTP_USER), not {sender!r}"
@@ -88,13 +91,44 @@ def _tls_mode(raw: str | None, port: int | None) -> SmtpTls:
 
 
 def check_recipients(recipients: list[str]) -> list[str]:
-    cleaned = [r.strip() for r in recipients if r.strip()]
-    bad = [r for r in cleaned if "@" not in r or any(c.isspace() for c in r)]
-    if bad:
-        raise DeliveryConfigError(f"--email-to: not an email address: {bad[0]!r}")
+    """The addresses, each once (a reader named twice gets one copy); a malformed one is a
+    DeliveryConfigError at start, not an exception when the message is built after the night."""
+    cleaned = list(dict.fromkeys(r.strip() for r in recipients if r.strip()))
+    for recipient in cleaned:
+        if problem := _address_problem(recipient):
+            raise DeliveryConfigError(
+                f"--email-to: not an email address: {recipient!r} ({problem})"
+            )
     if not cleaned:
         raise DeliveryConfigError("--email-to names no address")
     return cleaned
+
+
+def _address_problem(address: str) -> str | None:
+    """Why `address` is no plain `local@domain` (None: it is): what the message headers and
+    the SMTP envelope could not carry."""
+    if any(c.isspace() or c in _NOT_IN_ADDRESS or ord(c) < 32 for c in address):
+        return "spaces, commas, brackets or quotes"
+    local, at, domain = address.rpartition("@")
+    if not at or "@" in local:
+        return "it needs exactly one @"
+    if not local or not domain:
+        return "a name before the @ and a domain after it"
+    if any(not part for part in (*local.split("."), *domain.split("."))):
+        return "an empty part between dots"
+    return None
+
+
+_NOT_IN_ADDRESS = frozenset('<>()[],;:"\\')
+
+
+class PartlyRefused(DeliveryError):
+    """The server took the message for some recipients and refused the others: the message
+    went out, so the target counts as served (a retry would mail the others twice)."""
+
+    def __init__(self, where: str, refused: dict[str, tuple[int, bytes | str]]) -> None:
+        self.refused = refused
+        super().__init__(f"{where}: the server refused {_refused(refused)}")
 
 
 def send_email(settings: SmtpSettings, message: EmailMessage, recipients: list[str]) -> None:
@@ -111,6 +145,10 @@ def send_email(settings: SmtpSettings, message: EmailMessage, recipients: list[s
             refused = smtp.send_message(message, settings.sender, recipients)
     except DeliveryError:
         raise
+    except smtplib.SMTPRecipientsRefused as exc:
+        raise DeliveryError(
+            f"{where}: the server refused every recipient: {_refused(exc.recipients)}"
+        ) from None
     except smtplib.SMTPAuthenticationError as exc:
         raise DeliveryError(f"{where}: authentication failed ({_reply(exc)})") from None
     except smtplib.SMTPException as exc:
@@ -120,8 +158,7 @@ def send_email(settings: SmtpSettings, message: EmailMessage, recipients: list[s
     except OSError as exc:
         raise DeliveryError(f"{where}: cannot connect ({exc.strerror or exc})") from None
     if refused:
-        names = ", ".join(sorted(refused))
-        raise DeliveryError(f"{where}: the server refused some recipients: {names}")
+        raise PartlyRefused(where, refused)
 
 
 def _connect(settings: SmtpSettings, context: ssl.SSLContext, where: str) -> smtplib.SMTP:
@@ -143,6 +180,15 @@ def _connect(settings: SmtpSettings, context: ssl.SSLContext, where: str) -> smt
         smtp.close()
         raise
     return smtp
+
+
+def _refused(refused: dict[str, tuple[int, bytes | str]]) -> str:
+    """`bad@x.org (550 5.1.1 no such user), ...`, as smtplib reports refused recipients."""
+    said = []
+    for address, (code, message) in sorted(refused.items()):
+        text = message.decode("utf-8", "replace") if isinstance(message, bytes) else message
+        said.append(f"{address} ({code} {' '.join(str(text).split())})")
+    return ", ".join(said)
 
 
 def _reply(exc: smtplib.SMTPException) -> str:
