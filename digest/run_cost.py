@@ -21,20 +21,33 @@ class Pricing:
     price_per_gpu_hour: float | None = None
 
     def __post_init__(self) -> None:
+        """Each refusal names the option to fix (the command prints it as its one line)."""
         tokens = self.price_in_per_mtok is not None or self.price_out_per_mtok is not None
         if tokens and self.gpu is not None:
-            raise ValueError("price the night by tokens or by GPU-hours, not both")
+            raise ValueError(
+                "--price-per-mtok and --gpu: price the night by tokens or by GPU-hours, not both"
+            )
         if tokens and (self.price_in_per_mtok is None or self.price_out_per_mtok is None):
-            raise ValueError("token pricing needs both the prompt and the completion price")
+            raise ValueError(
+                "--price-per-mtok: token pricing needs both the prompt and the completion price"
+            )
         if self.price_per_gpu_hour is not None and self.gpu is None:
-            raise ValueError("a price per GPU-hour needs the GPU (--gpu)")
-        prices = (self.price_in_per_mtok, self.price_out_per_mtok, self.price_per_gpu_hour)
-        if any(p is not None and not 0 <= p < 1e6 for p in prices):
-            raise ValueError("prices must be between 0 and 1e6 USD")
+            raise ValueError("--gpu-price: a price per GPU-hour needs the GPU (--gpu)")
+        for option, prices in (
+            ("--price-per-mtok", (self.price_in_per_mtok, self.price_out_per_mtok)),
+            ("--gpu-price", (self.price_per_gpu_hour,)),
+        ):
+            # `not 0 <= p` also catches NaN, which compares false with everything.
+            bad = [p for p in prices if p is not None and not 0 <= p < 1e6]
+            if bad:
+                raise ValueError(f"{option}: prices must be between 0 and 1e6 USD, not {bad[0]!r}")
         if not 1 <= self.gpus <= 1024:
             raise ValueError(f"--gpus must be between 1 and 1024, not {self.gpus}")
         if self.gpu is not None:
-            find_gpu(self.gpu)  # an unknown name fails at start, not after the night
+            try:
+                find_gpu(self.gpu)  # an unknown name fails at start, not after the night
+            except ValueError as exc:
+                raise ValueError(f"--gpu: {exc}") from None
 
 
 @dataclass(slots=True, frozen=True)
