@@ -174,7 +174,8 @@ def _pages(asked: dict, page: int, limit: int, total: int) -> dict[str, str | No
 
     last = min(MAX_PAGE, max(1, -(-total // limit)))
     return {
-        "previous": link(page - 1) if page > 1 else None,
+        # Past the end (an old link, a hand-typed page): back to the last page with hits.
+        "previous": link(min(page - 1, last)) if page > 1 else None,
         "next": link(page + 1) if page < last else None,
         "first": str((page - 1) * limit + 1),
         "last": str(min(total, page * limit)),

@@ -105,6 +105,19 @@ def test_bad_parameters_are_4xx_pages_never_500(served):
     assert http.post("/search", data={"q": "x"}).status_code == 405
 
 
+def test_a_page_past_the_last_links_back_to_the_last(served):
+    """Found from outside: page 50 of 3 hits said "3 papers." with a Previous link to page 49,
+    as empty, and so on down."""
+    _, _, http = served
+    past = http.get("/search", params={"q": "ablation", "limit": 1, "page": 50})
+    assert past.status_code == 200 and "3 papers." in past.text
+    assert 'rel="prev" href="search?q=ablation&amp;page=3&amp;limit=1"' in past.text
+    assert 'rel="next"' not in past.text
+    middle = http.get("/search", params={"q": "ablation", "limit": 1, "page": 2}).text
+    assert 'rel="prev" href="search?q=ablation&amp;page=1&amp;limit=1"' in middle
+    assert 'rel="next" href="search?q=ablation&amp;page=3&amp;limit=1"' in middle
+
+
 def test_random_parameters_never_give_a_500(sqlite_url):
     """Fuzz: any text in any parameter is a page (200) or a 4xx page, never a server error."""
     from hypothesis import HealthCheck, given, settings
