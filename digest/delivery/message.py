@@ -18,6 +18,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from digest.entries import DailyDigest, DigestEntry
 from digest.latex_text import latex_to_text
 from digest.render import html_page
+from digest.render.environment import unverified
 
 SLACK_MAX_PAPERS = 20  # a chat message is a teaser; the page and the email have everything
 SLACK_SUMMARY_CHARS = 300
@@ -42,6 +43,7 @@ def _environment() -> Environment:
     )
     env.filters["wrap"] = lambda text: "\n  ".join(textwrap.wrap(" ".join(text.split()), 76))
     env.filters["tex"] = latex_to_text  # LaTeX as text, as the page shows it
+    env.filters["unverified"] = unverified  # marked as on the page: what the paper lacks
     return env
 
 
@@ -112,7 +114,8 @@ def _slack_entry(entry: DigestEntry) -> str:
     summary = entry.summary or (entry.review.summary if entry.review else None)
     if summary:
         short = textwrap.shorten(latex_to_text(summary), SLACK_SUMMARY_CHARS, placeholder="…")
-        parts.append(_slack_escape(short))
+        mark = "_Unverified:_ " if unverified(summary, entry) else ""
+        parts.append(mark + _slack_escape(short))
     return "\n".join(parts)
 
 
