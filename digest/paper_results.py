@@ -13,7 +13,7 @@ from digest.chat_client import ChatCallError, ChatResult
 from digest.instruction_echo import drop_recitals
 from digest.paper import Paper
 from digest.prompts import PROMPT_VERSION, SUMMARY_INSTRUCTIONS
-from digest.review import InputBasis
+from digest.review import InputBasis, repeats_title
 from digest.review_parse import parse_review
 from digest.store.digest_store import CallRecord, DigestStore, WorkKey, utcnow
 from digest.summary_text import tidy_summary
@@ -80,7 +80,8 @@ def store_summary(
 ) -> None:
     """Save the tidied summary with its call, and `earlier` calls that led to it (a looping
     reply asked again) in the same transaction; an empty one is a failed call (ChatCallError)."""
-    text = tidy_summary(result.text, cut_off=result.finish_reason == "length")
+    cut_off = result.finish_reason == "length"
+    text = tidy_summary(result.text, cut_off=cut_off, title=item.paper.title)
     text = drop_recitals(text, SUMMARY_INSTRUCTIONS, f"{item.paper.title}\n{item.text}")
     if not text:
         for record in (*earlier, call):
@@ -105,6 +106,10 @@ def store_review(
 ) -> None:
     """Save the reply and its validated review; Unparsed when it did not validate."""
     parsed = parse_review(result.text, item.basis)
+    if parsed.review is not None and repeats_title(parsed.review.summary, item.paper.title):
+        # The title again says nothing (the prompt opens with it, a small model copies it):
+        # no reviewer's summary rather than that one.
+        parsed.review.summary = ""
     store.save_review(
         item.paper,
         key,

@@ -14,7 +14,8 @@ from digest.faithfulness import paper_source, unsupported
 from digest.instruction_echo import recitals
 from digest.prompts import summary_instructions
 from digest.repetition import loops
-from digest.review import Review, decision_for, is_phrase
+from digest.review import Review, decision_for, is_list_item, repeats_title
+from digest.summary_text import without_title
 
 _FINISHED = (".", "!", "?", ")", '"', "'")
 # A label word of the prompt (or a heading of the model's own) followed by a colon: the default
@@ -45,10 +46,13 @@ class QualityFigures:
     # A sentence restating the instructions ("In three or four sentences, explain ..."); counted
     # where the store's prompt version is one digest/prompts.py records.
     summaries_reciting_instructions: int = 0
+    summaries_opening_with_title: int = 0  # the paper's title copied in front
     reviews: int = 0
     reviews_unparsed: int = 0
     decision_contradicts_score: int = 0
     review_summaries_unfinished: int = 0
+    # The paper's title copied as the reviewer's summary (kept, or dropped to none at all).
+    review_summaries_title_or_none: int = 0
     list_items: int = 0
     list_items_junk: int = 0
     # A few examples, for reading the figures rather than trusting them.
@@ -72,9 +76,15 @@ class QualityFigures:
                 self.summaries_reciting_instructions,
                 self.summaries,
             ),
+            ("summaries opening with the title", self.summaries_opening_with_title, self.summaries),
             ("reviews unparsed", self.reviews_unparsed, self.reviews),
             ("decisions contradicting the score", self.decision_contradicts_score, self.reviews),
             ("reviewer summaries unfinished", self.review_summaries_unfinished, self.reviews),
+            (
+                "reviewer summaries: the title, or none",
+                self.review_summaries_title_or_none,
+                self.reviews,
+            ),
             ("junk review list items", self.list_items_junk, self.list_items),
         ]
 
@@ -101,7 +111,7 @@ def measure(
         if entry.summary:
             _summary(figures, entry, summary_finish.get(pid), sources.get(pid))
         if entry.review is not None:
-            _review(figures, pid, entry.review)
+            _review(figures, entry, entry.review)
         elif entry.review_raw is not None:
             figures.reviews += 1
             figures.reviews_unparsed += 1
@@ -132,23 +142,30 @@ def _summary(
     if venue := _VENUE.search(summary):
         figures.summaries_naming_a_venue += 1
         figures._example("venue", f"{pid}: ...{summary[venue.start() : venue.end() + 40]}")
+    if without_title(summary, entry.paper.title) != summary:
+        figures.summaries_opening_with_title += 1
+        figures._example("title_first", f"{pid}: {summary[:120]}")
     instructions = summary_instructions(entry.prompt_version) if entry.prompt_version else None
     if instructions and (runs := recitals(summary, instructions, source)):
         figures.summaries_reciting_instructions += 1
         figures._example("recital", f"{pid}: {' / '.join(runs)}")
 
 
-def _review(figures: QualityFigures, pid: str, review: Review) -> None:
+def _review(figures: QualityFigures, entry: DigestEntry, review: Review) -> None:
+    pid = entry.paper.arxiv_id
     figures.reviews += 1
     if review.decision != decision_for(review.overall):
         figures.decision_contradicts_score += 1
         figures._example("contradiction", f"{pid}: {review.overall}/10 {review.decision}")
-    if not review.summary.rstrip().endswith(_FINISHED):
+    if not review.summary.strip() or repeats_title(review.summary, entry.paper.title):
+        figures.review_summaries_title_or_none += 1
+        figures._example("review_summary_title", f"{pid}: {review.summary!r}")
+    elif not review.summary.rstrip().endswith(_FINISHED):
         figures.review_summaries_unfinished += 1
         figures._example("review_summary_unfinished", f"{pid}: ...{review.summary[-80:]}")
     for items in (review.strengths, review.weaknesses, review.questions, review.limitations):
         for item in items:
             figures.list_items += 1
-            if not is_phrase(item):
+            if not is_list_item(item):
                 figures.list_items_junk += 1
                 figures._example("junk_item", f"{pid}: {item!r}", limit=10)

@@ -30,7 +30,7 @@ from digest.repetition import loops, repeated_run, repeated_sentence
 from digest.review import Review
 from digest.store.database import open_database
 from digest.store.digest_store import DigestStore, WorkKey
-from tests.digest.fault_server import Fault, FaultServer, review_for
+from tests.digest.fault_server import Fault, FaultServer, default_responder, review_for
 from tests.digest.test_pipeline import DAY, TITLES, options, write_papers
 
 # The shape of the default model's loops on real papers (issue 19).
@@ -202,7 +202,7 @@ def test_a_sentence_reciting_the_instructions_is_dropped_and_counted(tmp_path):
     recital = "In three or four plain sentences, the paper explains what problem it addresses."
     summary = f"Tiny models are tested on two tasks. {recital} They work well on both."
     assert recitals(summary, SUMMARY_INSTRUCTIONS, "Tiny models are tested.") == [
-        "in three or four plain"
+        "in three or four"
     ]
     # The paper's own words are not a recital, even where the instructions share them.
     assert recitals(summary, SUMMARY_INSTRUCTIONS, f"We write {recital}") == []
@@ -237,7 +237,7 @@ def test_a_sentence_reciting_the_instructions_is_dropped_and_counted(tmp_path):
     cfg = QualityBenchConfig(work_dir=str(tmp_path / "a"), measure_only=True)
     figures = run_quality_bench(cfg, echo=lambda _: None)["figures"]
     assert figures["summaries_reciting_instructions"] == 1
-    assert figures["examples"]["recital"] == ["2603.00001: in three or four plain"]
+    assert figures["examples"]["recital"] == ["2603.00001: in three or four"]
 
 
 def test_measure_only_counts_a_store_as_it_was_written(tmp_path):
@@ -310,3 +310,40 @@ def test_a_full_text_summary_is_checked_against_the_full_text(tmp_path, db_url):
     assert markdown.count("(unverified)") == 1
     # The bench counts the same way, from the same store.
     assert measure(digest.entries, {}, {}).summaries_unfaithful == 1
+
+
+def test_a_reviewer_summary_copying_the_title_is_not_published(tmp_path):
+    """Found on 50 real papers: 10 reviews gave the paper's title (cut short with "…") as the
+    reviewer's summary; the page showed it under "Reviewer's summary". It is stored empty and
+    the page shows none; a store written before is counted."""
+    papers = write_papers(tmp_path / "papers.jsonl", TITLES[2:4])
+    titled = {"summary": f"{TITLES[2]}", "strengths": ["strengths ia", "Clear benchmark design"]}
+    reply = json.dumps(review_for(TITLES[2]) | titled)
+
+    def responder(body: dict) -> str:
+        said = default_responder(body)
+        return reply if said == json.dumps(review_for(TITLES[2])) else said
+
+    with FaultServer(responder=responder) as stub:
+        figures = run_quality_bench(
+            QualityBenchConfig(
+                papers=str(papers),
+                num_papers=2,
+                endpoint=stub.base_url,
+                model="stub-model",
+                work_dir=str(tmp_path / "a"),
+            ),
+            echo=lambda _: None,
+        )["figures"]
+    assert figures["reviews"] == 2 and figures["review_summaries_title_or_none"] == 1
+    assert figures["list_items_junk"] == 0  # "strengths ia" was dropped before storing
+    store = DigestStore(open_database(f"sqlite:///{tmp_path / 'a' / 'quality.db'}"))
+    first, second = store.load_digest(date(2026, 3, 31)).entries
+    assert first.review.summary == "" and first.review.strengths == ["Clear benchmark design"]
+    assert second.review.summary == review_for(TITLES[3])["summary"]
+    page = BeautifulSoup(
+        (tmp_path / "a" / "out" / "digest-2026-03-31.html").read_text(), "html.parser"
+    )
+    assert page.text.count("Reviewer's summary") == 1  # the second paper's only
+    md = (tmp_path / "a" / "out" / "digest-2026-03-31.md").read_text()
+    assert md.count("Reviewer's summary") == 1

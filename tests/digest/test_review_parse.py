@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from digest.review import Review
+from digest.review import Review, repeats_title
 from digest.review_parse import parse_review, review_response_format
 from tests.digest.fault_server import INVALID_REVIEW, default_responder, review_for
 
@@ -255,3 +255,47 @@ def test_an_item_written_into_every_list_counts_once():
     review = parse_review(json.dumps(reply), "abstract").review
     assert review.strengths == same and review.weaknesses == ["Few baselines"]
     assert review.questions == []
+
+
+def test_items_that_label_or_loop_are_dropped():
+    """Seen on the default model over 50 real papers (prompt 2026-12-05.5): items that are a
+    list's name with filler, and items that say one thing three times."""
+    labels = ["strengths ia", "weaknesses are", "questions of current tokenizers"]
+    loop = "What is the best way to use XMTC? " * 3
+    recital = "strengths is a list of 1 to 4 items that are lists of 1 to 4 items that are lists"
+    kept = ["Limited baselines", "Questionable evaluation protocol"]
+    reply = _with(strengths=[*labels, loop.strip(), recital], weaknesses=kept)
+    review = parse_review(json.dumps(reply), "abstract").review
+    assert review.strengths == []
+    # A list's name inside an item, or another word opening it, is fine.
+    assert review.weaknesses == ["Limited baselines", "Questionable evaluation protocol"]
+
+
+COMIC = "COMIC: Agentic Sketch Comedy Generation"
+
+
+@pytest.mark.parametrize(
+    ("summary", "title", "expected"),
+    [
+        (
+            "COMIC: Agentic Sketch Comedy Generation",
+            "COMIC: Agentic Sketch Comedy Generation",
+            True,
+        ),
+        ("Comic: Agentic Sketch Comedy…", "COMIC: Agentic Sketch Comedy Generation", True),
+        (
+            "COMIC: Agentic Sketch Comedy Generation.",
+            "COMIC: Agentic Sketch Comedy Generation",
+            True,
+        ),
+        ("The paper proposes COMIC, an agentic system.", "COMIC: Agentic Sketch Comedy", False),
+        (
+            "COMIC: Agentic Sketch Comedy Generation shows that agents can write sketches.",
+            "COMIC: Agentic Sketch Comedy Generation",
+            False,
+        ),
+        ("Tiny", "Tiny Models", False),
+    ],
+)
+def test_a_reviewer_summary_that_is_the_title(summary, title, expected):
+    assert repeats_title(summary, title) is expected

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from digest.summary_text import finish_text, tidy_summary
+from digest.summary_text import finish_text, tidy_summary, without_title
 
 
 def test_keeps_five_sentences_and_drops_a_cut_off_tail():
@@ -40,3 +40,35 @@ def test_finish_text_ends_at_a_sentence_or_a_whole_word():
     )
     assert finish_text("Done.") == "Done."
     assert finish_text("") == ""
+
+
+def test_the_title_copied_in_front_is_dropped():
+    """Seen on real papers: the model opens with the title line, without a full stop and once
+    with two words run together."""
+    title = (
+        "PivotAttack: Rethinking the Search Trajectory in Hard-Label Text Attacks via Pivot Words"
+    )
+    reply = (
+        "PivotAttack: Rethinking the Search Trajectory in Hard-Label Text Attacks via PivotWords "
+        "PivotAttack is a new approach to hard-label text attacks. It perturbs pivot words."
+    )
+    assert tidy_summary(reply, cut_off=False, title=title) == (
+        "PivotAttack is a new approach to hard-label text attacks. It perturbs pivot words."
+    )
+    # A summary that names the method first, or is nothing but the title, is left alone.
+    assert without_title("PivotAttack is new.", title) == "PivotAttack is new."
+    assert without_title(title, title) == title
+    assert tidy_summary("Tiny Models: tested. It works.", cut_off=False, title="") == (
+        "Tiny Models: tested. It works."
+    )
+
+
+def test_a_sentence_that_loops_is_dropped_with_what_follows_it_kept():
+    loop = "they are presented with bold text again using bullet points again"
+    reply = (
+        f"The paper finds X. It also shows Y. The findings are presented; {loop}; {loop}. "
+        f"Then Z follows. And {loop} once more."
+    )
+    assert (
+        tidy_summary(reply, cut_off=False) == "The paper finds X. It also shows Y. Then Z follows."
+    )
