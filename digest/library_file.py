@@ -55,15 +55,16 @@ def parse_bibtex(text: str, path: Path | str = "<bibtex>") -> list[dict[str, str
     Text outside entries is a comment, as in BibTeX itself."""
     entries: list[dict[str, str]] = []
     pos = 0
+    line, counted = 1, 0  # the line of `counted`: newlines counted once, not from the top
     while match := _ENTRY_START.search(text, pos):
+        line += text.count("\n", counted, match.start())
+        counted = match.start()
         kind = match.group(1).lower()
         close = "}" if match.group(2) == "{" else ")"
         end = _matching(text, match.end(), close)
         if end is None:
-            line = text.count("\n", 0, match.start()) + 1
             raise BadInputFile(path, f"@{kind} entry is not closed (unbalanced braces)", line)
         if kind not in _SKIPPED:
-            line = text.count("\n", 0, match.start()) + 1
             entries.append(_entry_fields(kind, text[match.end() : end], path, line))
         pos = end + 1
     return entries

@@ -5,6 +5,7 @@ profile only when every argument is good."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -96,6 +97,20 @@ def test_a_broken_bibtex_file_names_the_line_and_the_problem(tmp_path, text, pro
     with pytest.raises(BadInputFile) as caught:
         read_library(path)
     assert str(caught.value).startswith(str(tmp_path / problem)), str(caught.value)
+
+
+def test_a_large_library_is_read_in_linear_time():
+    """Found from outside: each entry counted its line from the top of the file, so a 6,000-
+    entry Zotero export (9.6 MB) took 13 s and 20,000 entries after a long comment 22 s; a
+    library of MAX_ENTRIES would have taken most of an hour. The lines stay right."""
+    head = "% notes\n" * 200_000
+    text = head + "".join(f"@misc{{k{i}, title = {{T{i}}}}}\n" for i in range(20_000))
+    started = time.perf_counter()
+    entries = parse_bibtex(text)
+    assert len(entries) == 20_000 and entries[-1]["title"] == "T19999"
+    assert time.perf_counter() - started < 3.0  # 0.2 s here; 22 s before
+    with pytest.raises(BadInputFile, match=r":200004: @misc entry is not closed"):
+        parse_bibtex(head + "@misc{a, title={A}}\n@misc{b, title={B}}\n\n@misc{c, title={C}\n")
 
 
 def test_binary_and_missing_library_files(tmp_path):
