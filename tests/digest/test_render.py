@@ -326,3 +326,25 @@ def test_feed_shows_latex_as_text(tmp_path: Path) -> None:
     summary = feed.entries[0].summary
     assert "and O(n²)" in summary and "x² &lt; y" in summary
     assert "$O(n^2)$" not in summary
+
+
+def test_a_paper_summarised_but_not_reviewed_says_so(tmp_path: Path) -> None:
+    """Found from outside: a failed paper with a summary (its review did not validate) showed
+    "Not summarised yet" right above its summary."""
+    digest = make_digest()
+    digest.entries[2].summary = "It has a summary."
+    outputs = {p.name: p.read_text() for p in write_outputs(tmp_path, digest, [digest])}
+    failed = article(outputs["digest-2024-01-15.html"], "hep-th/9901001").get_text()
+    assert "Not reviewed yet" in failed and "Not summarised" not in failed
+    assert "It has a summary." in failed
+    md = outputs["digest-2024-01-15.md"].split("## Not processed", 1)[1]
+    assert "Not reviewed yet" in md and md.count("Not summarised yet") == 1  # the pending one
+
+
+def test_authors_listed_below_the_cut_show_latex_as_text(tmp_path: Path) -> None:
+    digest = make_digest()
+    below = Paper("2401.07777", "Below", "Short.", [r"Kurt G\"odel", "Emmy Noether"], ["cs.LO"])
+    digest.entries.append(DigestEntry(below, "below_cut"))
+    outputs = {p.name: p.read_text() for p in write_outputs(tmp_path, digest, [digest])}
+    for name in ("digest-2024-01-15.html", "digest-2024-01-15.md"):
+        assert "Kurt Gödel" in outputs[name] and r"G\"odel" not in outputs[name], name
