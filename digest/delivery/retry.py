@@ -26,7 +26,7 @@ from digest.delivery import DeliveryConfig, DeliveryOutcome, deliver, target_nam
 from digest.entries import DailyDigest
 from digest.store import migrate
 from digest.store.database import open_database
-from digest.store.digest_store import DigestStore
+from digest.store.digest_store import TARGET_CHARS, DigestStore
 from digest.store.job_lock import JobLock, LockHeld
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def target_states(
     rows = [r for r in store.deliveries(digest.digest_date) if r.content_hash == fingerprint]
     states = []
     for channel, target in target_names(config):
-        mine = [r for r in rows if (r.channel, r.target) == (channel, target[:500])]
+        mine = [r for r in rows if (r.channel, r.target) == (channel, target[:TARGET_CHARS])]
         failed = [_utc(r.attempted_at) for r in mine if r.status == "failed"]
         sent = any(r.status == "sent" for r in mine)
         states.append(TargetState(channel, target, sent, len(failed), max(failed, default=None)))

@@ -28,6 +28,10 @@ from digest.store.schema import (
     SummaryRow,
 )
 
+# The deliveries table's target column: a longer name (a long recipient list) is recorded cut,
+# and looked up cut, or a sent digest would never be found and be sent again.
+TARGET_CHARS = DeliveryRow.__table__.c.target.type.length
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -376,7 +380,7 @@ class DigestStore:
                     select(func.count()).where(
                         DeliveryRow.digest_date == digest_date,
                         DeliveryRow.channel == channel,
-                        DeliveryRow.target == target,
+                        DeliveryRow.target == target[:TARGET_CHARS],  # as recorded
                         DeliveryRow.content_hash == content_hash,
                         DeliveryRow.status == "sent",
                     )
@@ -397,7 +401,7 @@ class DigestStore:
                 DeliveryRow(
                     digest_date=digest_date,
                     channel=channel,
-                    target=target[:500],
+                    target=target[:TARGET_CHARS],
                     content_hash=content_hash,
                     status="failed" if error else "sent",
                     error=error,

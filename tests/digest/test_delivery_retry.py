@@ -212,3 +212,16 @@ def test_a_restarted_scheduler_goes_on_counting_and_never_sends_twice(tmp_path, 
         runs = conn.execute(text("SELECT status FROM runs")).scalars().all()
     engine.dispose()
     assert runs == ["succeeded"]  # the restarts ran no night
+
+
+def test_a_target_longer_than_its_column_is_found_as_recorded(tmp_path, db_url):
+    """The table keeps a target's first 500 characters; the lookup that says "already sent"
+    must cut the same way, or every rerun and retry sends the digest again."""
+    with FaultServer() as stub:
+        run_digest(options(tmp_path, db_url, stub.base_url))
+    store = DigestStore(open_database(db_url))
+    long_name = ", ".join(f"reader{n}@example.org" for n in range(40))
+    assert len(long_name) > 500
+    store.record_delivery(DAY, "email", long_name, "fingerprint", None)
+    assert store.delivered(DAY, "email", long_name, "fingerprint")
+    assert not store.delivered(DAY, "email", long_name, "other fingerprint")
