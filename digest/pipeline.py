@@ -452,15 +452,22 @@ def _add_items(store: DigestStore, options: RunOptions, papers: list[Paper]) -> 
     # Liked papers come from the store: they must not also be their own tag's negatives.
     background = store.recent_paper_texts(RANKING_BACKGROUND, ids | options.profile.tagged_ids())
     ranked = rank_papers(papers, options.profile, background, embed)
+    # A paper an earlier digest published has its summary (no model call): it is shown with
+    # it, and neither takes one of the N places nor falls below the cut.
+    published = store.published_before(options.digest_date, list(ids))
     room = None
     if options.max_papers is not None:
-        room = max(0, options.max_papers - store.taken_count(options.digest_date))
-    below = {r.paper.arxiv_id for r in ranked[room:]} if room is not None else set()
+        taken = [i.paper_id for i, _ in store.items(options.digest_date) if i.status != "below_cut"]
+        counted = len(taken) - len(store.published_before(options.digest_date, taken))
+        room = max(0, options.max_papers - counted)
+    fresh = [r for r in ranked if r.paper.arxiv_id not in published]
+    below = {r.paper.arxiv_id for r in fresh[room:]} if room is not None else set()
     mine = sum(1 for r in ranked if r.for_you)
     log.info(
-        "ranked %s by the reader profile: %d for you%s",
+        "ranked %s by the reader profile: %d for you%s%s",
         papers_count(len(ranked)),
         mine,
+        f"; {len(published)} published before (not counted)" if published else "",
         f"; {len(below)} below --max-papers (listed, not summarised)" if below else "",
     )
     ranking = {r.paper.arxiv_id: (r.score, r.reasons) for r in ranked}

@@ -348,15 +348,6 @@ class DigestStore:
                 return value
             return current
 
-    def taken_count(self, digest_date: date) -> int:
-        """Papers of the date that are (to be) summarised: all but those below the cut."""
-        with self.session() as s:
-            return s.scalar(
-                select(func.count()).where(
-                    DigestItemRow.digest_date == digest_date, DigestItemRow.status != "below_cut"
-                )
-            )
-
     def recent_paper_texts(self, limit: int, exclude: set[str]) -> list[str]:
         """Title and abstract of the most recently seen papers, for the ranking's classifiers
         (negatives and word statistics), less `exclude`."""

@@ -231,3 +231,35 @@ def test_liked_papers_are_not_negatives_of_their_own_tag(tmp_path, sqlite_url, m
     (background,) = seen
     titles = {text.split(". ")[0] for text in background}
     assert titles == {TITLES[0], TITLES[2], TITLES[3]}  # not the liked one, not tonight's
+
+
+def test_papers_published_before_neither_take_the_cut_nor_fall_below_it(tmp_path, sqlite_url):
+    """Found from outside: with a profile and --max-papers, papers an earlier night already
+    summarised used up the N places (though they cost no model call), and those ranked below
+    the cut were listed "not summarised" without their summary."""
+    earlier = DAY.replace(day=DAY.day - 1)
+    with FaultServer() as stub:
+        old = write_papers(tmp_path / "old.jsonl", TITLES[:2])
+        run_digest(
+            options(tmp_path, sqlite_url, stub.base_url, source=str(old), digest_date=earlier)
+        )
+        assert len(stub.requests) == 4
+        titles = [*TITLES, "Speculative Decoding with Tiny Draft Models"]
+        night = options(
+            tmp_path,
+            sqlite_url,
+            stub.base_url,
+            source=str(write_papers(tmp_path / "all.jsonl", titles)),
+            max_papers=2,
+            profile=_profile(),
+        )
+        report = run_digest(night)
+        assert len(stub.requests) == 4 + 4  # two new papers summarised and reviewed
+    assert (report.papers_done, report.papers_below_cut) == (4, 1)
+    digest = DigestStore(open_database(sqlite_url)).load_digest(DAY)
+    again = {e.paper.arxiv_id: e for e in digest.entries if e.also_in == earlier}
+    assert sorted(again) == ["2603.00001", "2603.00002"]
+    assert all(e.status == "done" and e.summary for e in again.values())
+    # The cut falls among the new papers: the speculative-decoding one is in.
+    assert "2603.00005" not in {e.paper.arxiv_id for e in digest.below_cut}
+    assert len(digest.below_cut) == 1
