@@ -280,6 +280,7 @@ def _run_options(
     cats = None if categories is None else [c.strip() for c in categories.split(",") if c.strip()]
     if cats is not None and not cats:
         raise _fail("--categories names no category", EXIT_USAGE)
+    _check_categories(cats or [])
     _check_source(source)
     _check_endpoint(endpoint, model, api_key_env, local_model)
     return RunOptions(
@@ -401,6 +402,21 @@ def _delivery(
         return delivery_config(recipients, webhook_url or None, site_url)
     except DeliveryConfigError as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
+
+
+def _check_categories(categories: list[str]) -> None:
+    """A malformed name is refused (it would go into the arXiv query as query syntax); an
+    unknown one is named in a warning: it matches no paper."""
+    from digest.sources import arxiv_categories
+
+    if bad := arxiv_categories.malformed(categories):
+        raise _fail(
+            f"--categories: not an arXiv category name: {', '.join(map(repr, bad))} "
+            "(names look like cs.CL, stat.ML, hep-th, cond-mat.str-el)",
+            EXIT_USAGE,
+        )
+    for name in arxiv_categories.unknown(categories):
+        log.warning("--categories: %s is not in arXiv's taxonomy; no paper will match it", name)
 
 
 def _local_server_args(

@@ -98,14 +98,14 @@ def profile_add(
         reader.add_authors(author or [])
         if liked_ids:
             liked = [TaggedPaper(p.title, p.abstract, p.arxiv_id) for p in _stored(liked_ids, db)]
-            added = reader.tag(tag or LIKED_TAG, liked)
-            typer.echo(f"{added} liked paper(s) added under tag {tag or LIKED_TAG!r}")
+            name = LIKED_TAG if tag is None else tag  # --tag "" is refused, not the default
+            added = reader.tag(name, liked)
+            typer.echo(f"{added} liked paper(s) added under tag {name.strip()!r}")
         if library is not None:
             papers = from_library(read_library(library))
-            added = reader.tag(tag or "library", papers)
-            typer.echo(
-                f"{library}: {added} new of {len(papers)} paper(s) under tag {tag or 'library'!r}"
-            )
+            name = "library" if tag is None else tag
+            added = reader.tag(name, papers)
+            typer.echo(f"{library}: {added} new of {len(papers)} paper(s) under tag {name!r}")
         save_profile(path, reader)
     except (ProfileError, BadInputFile) as exc:
         raise fail(str(exc)) from None

@@ -226,3 +226,20 @@ def test_categories_apply_to_a_file_source(tmp_path, sqlite_url):
     assert "2 listed, 2 done" in result.output
     page = (tmp_path / "out" / f"digest-{DAY}.html").read_text()
     assert "2603.00002" in page and "2603.00003" in page and "2603.00001" not in page
+
+
+def test_categories_are_checked_before_anything_runs(tmp_path, sqlite_url, caplog):
+    """Found from outside: a malformed --categories ("cs.CL OR all:x" went into the arXiv query
+    as query syntax) or an unknown one published an empty digest with exit 0, every night."""
+    args = _run_args(tmp_path, sqlite_url, "http://127.0.0.1:9/v1")
+    for bad in ("CS.CL", "cs.CL;rm", "cs.CL OR all:x", "cs.CL,cs..LG"):
+        result = runner.invoke(app, [*args, "--categories", bad])
+        assert result.exit_code == 2, (bad, result.output)
+        assert "not an arXiv category name" in result.output, result.output
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    with caplog.at_level("WARNING"), FaultServer() as stub:
+        args = _run_args(tmp_path, sqlite_url, stub.base_url)
+        result = runner.invoke(app, [*args, "--categories", "cs.XX,hep-th,cond-mat.str-el"])
+    assert result.exit_code == 0, result.output
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == ["--categories: cs.XX is not in arXiv's taxonomy; no paper will match it"]

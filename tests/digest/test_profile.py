@@ -220,6 +220,13 @@ def test_the_profile_command_adds_shows_and_refuses_bad_input(tmp_path, db_url):
     assert "the profile has no author 'Nobody'" in refused("remove", "--author", "Nobody")
     assert "the profile has no tag 'nope'" in refused("remove", "--tag", "nope")
     assert "nothing to add" in refused("add")
+    # An empty --tag is refused like a blank one (it used to mean the default tag).
+    for empty in ("", "  "):
+        out = refused("add", "--tag", empty, "--like", "2603.00007", "--db", db_url)
+        assert "a tag name cannot be empty" in out
+        assert "a tag name cannot be empty" in refused(
+            "add", "--tag", empty, "--library", str(library)
+        )
     missing_db = f"sqlite:///{tmp_path / 'no-such.db'}"
     out = refused("add", "--like", "2603.00007", "--db", missing_db)
     assert "--like needs the digest store: no database file at" in out
