@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from digest.clean_text import xml_safe
+from digest.paper import InvalidArxivId, parse_arxiv_id
 
 MAX_QUERY_CHARS = 500
 MAX_TERMS = 32
@@ -43,6 +44,17 @@ class SearchQuery:
     def pg_parameters(self) -> dict[str, str]:
         """Bound parameters t0, t1, ... for `pg_tsquery_sql`."""
         return {f"t{i}": term.text for i, term in enumerate(self.terms)}
+
+    @property
+    def paper_id(self) -> str | None:
+        """The arXiv id the query is, in any spelling ("2603.10877v2", "arXiv:2603.10877", the
+        abs URL): the paper is looked up by it, since an id is not among the indexed words."""
+        if len(self.terms) != 1 or self.terms[0].phrase:
+            return None
+        try:
+            return parse_arxiv_id(self.terms[0].text)[0]
+        except InvalidArxivId:
+            return None
 
     def pg_tsquery_sql(self, config: str) -> str:
         """A tsquery expression over the bound terms (`config` is ours, never the user's)."""

@@ -79,9 +79,13 @@ def search(
     and/or `for_you` (a digest listed them "for you", by the reader profile; newest digest
     first). Raises QueryError for a query the index cannot take."""
     filters = {"category": category, "day": day, "for_you": "yes" if for_you else None}
+    shown = {k: str(v) for k, v in filters.items() if v is not None}
     with engine.connect() as connection:
         try:
-            if query is None:
+            if query is not None and query.paper_id is not None:
+                by_id = {**filters, "paper_id": query.paper_id}
+                total, rows = _browse(connection, by_id, limit, offset)
+            elif query is None:
                 total, rows = _browse(connection, filters, limit, offset)
             elif connection.dialect.name == "postgresql":
                 total, rows = _search_pg(connection, query, filters, limit, offset)
@@ -93,8 +97,7 @@ def search(
             if isinstance(exc.orig, sqlite3.OperationalError) and "fts5" in str(exc.orig):
                 raise QueryError(f"the index cannot search for this query ({exc.orig})") from None
             raise
-        hits = _hits(connection, rows, browse=query is None)
-    shown = {k: str(v) for k, v in filters.items() if v is not None}
+        hits = _hits(connection, rows, browse=query is None or query.paper_id is not None)
     return SearchResults(hits, total, shown)
 
 
@@ -131,6 +134,8 @@ def _filters(dialect: str, paper_id: str, filters: dict) -> str:
     if filters["for_you"] is not None:  # its reasons: a JSON list, empty or null when not
         on_day += f" AND {_json_length(dialect, 'i.for_you')} > 0"
     sql = f"EXISTS (SELECT 1 FROM digest_items AS i WHERE i.paper_id = {paper_id}{on_day})"
+    if filters.get("paper_id") is not None:  # a query that is an arXiv id
+        sql += f" AND {paper_id} = :paper_id"
     if filters["category"] is not None:
         elements = _json_elements(dialect, "p.categories")
         alias = "c" if dialect == "sqlite" else "c(value)"

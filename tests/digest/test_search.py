@@ -343,3 +343,23 @@ def test_a_real_run_is_searchable_and_links_to_its_published_entries(tmp_path, d
         name, anchor = hit.entry_link().split("#")
         assert name == f"digest-{DAY}.html" and f'id="{anchor}"' in page
     engine.dispose()
+
+
+def test_an_arxiv_id_finds_its_paper(store):
+    """Found from outside: `digest search 2603.00002` found nothing (an id is not an indexed
+    word). Any spelling of the id finds the paper; filters still apply."""
+    papers = [_paper(1, "Sparse attention", "We prune heads."), _paper(2, "Graphs", "Text.")]
+    _publish(store, MONDAY, papers)
+    engine = store.engine
+    spellings = (
+        "2603.00002",
+        "2603.00002v3",
+        "arXiv:2603.00002",
+        "https://arxiv.org/abs/2603.00002v1",
+    )
+    for spelling in spellings:
+        assert _found(engine, spelling) == ["2603.00002"], spelling
+    assert _found(engine, "2603.00002", day=TUESDAY) == []
+    assert _found(engine, "2603.09999") == []  # an id the store does not have
+    assert _found(engine, '"2603.00002"') == []  # a quoted phrase is text, as typed
+    assert parse_query("2603.00002 graphs").paper_id is None  # an id among words is a word
