@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 NIGHTSHIFT := $(VENV)/bin/nightshift
 STAMP := $(VENV)/.nightshift-installed
 
-.PHONY: run test install model lint bench
+.PHONY: run test install model lint bench chromium
 
 # The nightly digest on the embedded default: arXiv (cs.CL, cs.LG), the local engine with the
 # default model, SQLite under $NIGHTSHIFT_HOME. DIGEST_ARGS keeps a first run short; clear it for
@@ -17,8 +17,18 @@ DIGEST_ARGS ?= --max-papers 10
 run: model
 	$(NIGHTSHIFT) digest run $(DIGEST_ARGS)
 
-test: model
+test: model chromium
 	$(PY) -m pytest
+
+# The web view's browser test (tests/digest/test_web_browser.py) drives Debian's chromium, never a
+# downloaded browser: installed here where apt-get can (as root on Debian). Elsewhere that one
+# test is skipped and says why; nothing else needs it.
+chromium:
+	@test -x /usr/bin/chromium || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; }; } || \
+	  echo "no /usr/bin/chromium (apt-get install chromium): the browser test will be skipped"
 
 install: $(STAMP)
 
