@@ -152,11 +152,14 @@ def send_email(settings: SmtpSettings, message: EmailMessage, recipients: list[s
     except smtplib.SMTPAuthenticationError as exc:
         raise DeliveryError(f"{where}: authentication failed ({_reply(exc)})") from None
     except smtplib.SMTPException as exc:
-        raise DeliveryError(f"{where}: {type(exc).__name__}: {_reply(exc)}") from None
+        hint = _hint(settings, exc)
+        raise DeliveryError(f"{where}: {type(exc).__name__}: {_reply(exc)}{hint}") from None
     except ssl.SSLError as exc:
-        raise DeliveryError(f"{where}: TLS failed ({exc.reason or exc})") from None
+        hint = _hint(settings, exc)
+        raise DeliveryError(f"{where}: TLS failed ({exc.reason or exc}){hint}") from None
     except OSError as exc:
-        raise DeliveryError(f"{where}: cannot connect ({exc.strerror or exc})") from None
+        hint = _hint(settings, exc)
+        raise DeliveryError(f"{where}: cannot connect ({exc.strerror or exc}){hint}") from None
     if refused:
         raise PartlyRefused(where, refused)
 
@@ -180,6 +183,27 @@ def _connect(settings: SmtpSettings, context: ssl.SSLContext, where: str) -> smt
         smtp.close()
         raise
     return smtp
+
+
+def _hint(settings: SmtpSettings, exc: Exception) -> str:
+    """The likely cause of the two ways a TLS mode that does not match the server's fails: a
+    STARTTLS client waits for a greeting an implicit-TLS server never sends (it waits for the
+    handshake), and an implicit-TLS handshake reads a plain "220" greeting as a bad record."""
+    # smtplib reports the greeting's timeout as a disconnection "...: timed out".
+    waited = isinstance(exc, TimeoutError) or (
+        isinstance(exc, smtplib.SMTPServerDisconnected) and "timed out" in str(exc)
+    )
+    if settings.tls == "starttls" and waited:
+        return (
+            "; no greeting: a server that wants TLS from the start (usually port 465) needs "
+            "NIGHTSHIFT_SMTP_TLS=implicit"
+        )
+    if settings.tls == "implicit" and isinstance(exc, ssl.SSLError):
+        return (
+            "; the server may speak plain SMTP first (usually port 587): "
+            "NIGHTSHIFT_SMTP_TLS=starttls"
+        )
+    return ""
 
 
 def _refused(refused: dict[str, tuple[int, bytes | str]]) -> str:

@@ -371,3 +371,37 @@ def test_bad_smtp_settings_are_one_line_and_exit_2_before_any_work(
         app, ["digest", "deliver", "--db", sqlite_url, "--email-to", "not-an-address"]
     )
     assert bad_to.exit_code == 2 and "--email-to: not an email address" in bad_to.output
+
+
+@pytest.mark.parametrize(
+    ("mode", "greeting", "hint"),
+    [
+        # An implicit-TLS server says nothing until the handshake: a STARTTLS client times out.
+        ("starttls", b"", "NIGHTSHIFT_SMTP_TLS=implicit"),
+        # A plain server greets in clear text: an implicit-TLS handshake reads a bad record.
+        ("implicit", b"220 smtp.example.org ESMTP\r\n", "NIGHTSHIFT_SMTP_TLS=starttls"),
+    ],
+)
+def test_a_tls_mode_the_server_does_not_speak_is_named(mode, greeting, hint):
+    """Found from outside: STARTTLS against port 465 waited its whole timeout, then said only
+    "cannot connect (timed out)"."""
+    import threading
+    from email.message import EmailMessage
+
+    from digest.delivery.smtp_email import DeliveryError, send_email
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(greeting)
+            conn.recv(1024)  # until the client gives up or sends its handshake
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    settings = SmtpSettings("127.0.0.1", port, "digest@example.org", timeout_s=1.0, tls=mode)
+    with listener, pytest.raises(DeliveryError, match=hint):
+        send_email(settings, EmailMessage(), ["reader@example.org"])
+    thread.join(timeout=5)
