@@ -350,6 +350,8 @@ def _reader_profile(path: Path | None) -> ReaderProfile | None:
         path = default_profile_path()
         if not path.is_file():
             return None
+    elif path.is_dir():
+        raise _fail(f"--profile {path} is a directory, not a profile file", EXIT_USAGE)
     elif not path.is_file():
         raise _fail(
             f"--profile {path}: no such file (create one with `digest profile add`)", EXIT_USAGE

@@ -262,6 +262,8 @@ def test_digest_run_refuses_a_missing_or_broken_profile(tmp_path, sqlite_url):
     base += ["--model", "m"]
     missing = runner.invoke(app, [*base, "--profile", str(tmp_path / "none.json")])
     assert missing.exit_code == 2 and "none.json: no such file" in missing.output
+    folder = runner.invoke(app, [*base, "--profile", str(tmp_path)])
+    assert folder.exit_code == 2 and "is a directory, not a profile file" in folder.output
     bad = tmp_path / "bad.json"
     bad.write_text("[]")
     broken = runner.invoke(app, [*base, "--profile", str(bad)])
