@@ -136,9 +136,21 @@ def _measure_only(cfg: QualityBenchConfig, echo: Callable[[str], None]) -> dict:
     for other in cfg.common_with:
         only &= _done(_store(other))
     figures = measure_store(store, BENCH_DATE, only=only if cfg.common_with else None)
+    calls = recorded_calls(store, only if cfg.common_with else None)
     echo(f"{cfg.work_dir}: {figures.papers} papers measured")
     _print(figures, echo)
-    result = {"config": asdict(cfg), "machine": _machine(), "figures": figures.as_dict()}
+    echo(
+        f"model calls {calls['calls']} ({calls['summary_calls']} summary, "
+        f"{calls['review_calls']} review), {calls['prompt_tokens']} prompt / "
+        f"{calls['completion_tokens']} completion tokens"
+    )
+    result = {
+        "config": asdict(cfg),
+        "machine": _machine(),
+        "prompt_version": store.load_digest(BENCH_DATE).prompt_version,
+        "calls": calls,
+        "figures": figures.as_dict(),
+    }
     if cfg.json_out:
         Path(cfg.json_out).write_text(json.dumps(result, indent=2) + "\n")
     return result
@@ -167,6 +179,19 @@ def measure_store(
             finish[call.paper_id] = call.finish_reason  # the last one counts (a retry)
     # A full-text entry carries the text its summary was made from (DigestEntry.source_text).
     return measure(digest.entries, finish, {})
+
+
+def recorded_calls(store: DigestStore, only: set[str] | None = None) -> dict:
+    """What the stored run cost: its model calls (a looping summary asked again counts twice)
+    and their tokens, as the store recorded them; `only`: just these papers."""
+    calls = [c for c in store.calls() if only is None or c.paper_id in only]
+    return {
+        "calls": len(calls),
+        "summary_calls": sum(c.kind == "summary" for c in calls),
+        "review_calls": sum(c.kind == "review" for c in calls),
+        "prompt_tokens": sum(c.prompt_tokens or 0 for c in calls),
+        "completion_tokens": sum(c.completion_tokens or 0 for c in calls),
+    }
 
 
 def _print(figures: QualityFigures, echo: Callable[[str], None]) -> None:

@@ -17,6 +17,7 @@ from digest.instruction_echo import drop_recitals, recitals
 from digest.paper import Paper
 from digest.pipeline import run_digest
 from digest.prompts import (
+    PROMPT_VERSION,
     SUMMARY_FREQUENCY_PENALTY,
     SUMMARY_INSTRUCTIONS,
     SUMMARY_RETRY_FREQUENCY_PENALTY,
@@ -262,8 +263,14 @@ def test_measure_only_counts_a_store_as_it_was_written(tmp_path):
     with store.session() as s, s.begin():
         s.get(type(row), row.id).review = row.review | {"strengths": ["1.00", "Clear aims"]}
     cfg = QualityBenchConfig(work_dir=str(tmp_path / "a"), measure_only=True)
-    figures = run_quality_bench(cfg, echo=lambda _: None)["figures"]
+    result = run_quality_bench(cfg, echo=lambda _: None)
+    figures = result["figures"]
     assert figures["papers"] == 2 and figures["list_items_junk"] == 1
+    # What the run cost, from the calls the store recorded (no loop: one summary each).
+    calls = result["calls"]
+    assert (calls["calls"], calls["summary_calls"], calls["review_calls"]) == (4, 2, 2)
+    assert calls["prompt_tokens"] > 0 and calls["completion_tokens"] > 0
+    assert result["prompt_version"] == PROMPT_VERSION
     alone = QualityBenchConfig(work_dir=str(tmp_path / "missing"), measure_only=True)
     with pytest.raises(ValueError, match="is not there"):
         run_quality_bench(alone, echo=lambda _: None)
