@@ -409,11 +409,13 @@ def _list_papers(store: DigestStore, client: PoliteClient, options: RunOptions) 
         kwargs["api_url"] = options.arxiv_api_url
     if options.arxiv_rss_url:
         kwargs["rss_url"] = options.arxiv_rss_url
+    # Every paper of the source: --max-papers is applied below, after the papers that cost no
+    # model call (published before) and those that are not to be listed are known.
     papers = load_papers(
         options.source,
         categories=options.categories,
         day=options.digest_date,
-        max_papers=None if options.profile else options.max_papers,
+        max_papers=None,
         client=client,
         include_cross=options.include_cross,
         **kwargs,
@@ -426,9 +428,11 @@ def _list_papers(store: DigestStore, client: PoliteClient, options: RunOptions) 
         if taken:
             log.info("%s already in other digests; left out", papers_count(len(taken)))
             papers = [p for p in papers if p.arxiv_id not in taken]
-    store.upsert_papers(papers)
     if options.republished == "skip":
         papers = _skip_republished(store, options.digest_date, papers)
+    if options.profile is None and options.max_papers is not None:
+        papers = _first_unpublished(store, options.digest_date, options.max_papers, papers)
+    store.upsert_papers(papers)
     _add_items(store, options, papers)
 
 
@@ -474,6 +478,29 @@ def _add_items(store: DigestStore, options: RunOptions, papers: list[Paper]) -> 
     store.add_items(
         options.digest_date, [r.paper for r in ranked], options.input_mode, ranking, below
     )
+
+
+def _first_unpublished(
+    store: DigestStore, day: date, max_papers: int, papers: list[Paper]
+) -> list[Paper]:
+    """--max-papers without a profile: the source's papers in order, up to the Nth that no
+    earlier digest published. One that an earlier digest published costs no model call: it is
+    kept where it stands (marked on the page) and not counted, so that a file read night after
+    night moves on instead of taking its first N again. A rerun counts what the date lists."""
+    listed = {paper.arxiv_id for _, paper in store.items(day)}
+    published = store.published_before(day, [*listed, *(p.arxiv_id for p in papers)])
+    room = max_papers - sum(1 for pid in listed if pid not in published)
+    kept = []
+    for paper in papers:
+        if paper.arxiv_id in listed:
+            kept.append(paper)
+        elif room > 0:
+            kept.append(paper)
+            room -= paper.arxiv_id not in published
+    taken = {paper.arxiv_id for paper in kept}
+    if waiting := sum(1 for p in papers if p.arxiv_id not in taken | published.keys()):
+        log.info("%s wait for the next run (--max-papers %d)", papers_count(waiting), max_papers)
+    return kept
 
 
 def _skip_republished(store: DigestStore, day: date, papers: list[Paper]) -> list[Paper]:

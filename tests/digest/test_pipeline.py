@@ -4,7 +4,8 @@ our real server with a tiny model) for the model, SQLite and PostgreSQL for the 
 from __future__ import annotations
 
 import json
-from datetime import date
+from dataclasses import replace
+from datetime import date, timedelta
 from pathlib import Path
 
 import pytest
@@ -336,3 +337,27 @@ def test_full_text_is_cut_to_fit_the_servers_context(tmp_path, sqlite_url):
     with DigestStore(open_database(sqlite_url)).session() as s:
         (row,) = s.query(FullTextRow).all()
     assert row.truncated and row.original_chars > 10_000 and room - 300 < len(row.text) <= room
+
+
+def test_max_papers_on_a_file_moves_on_past_published_papers(tmp_path, db_url):
+    """Found from outside: with a file source, --max-papers N took the file's first N papers
+    although an earlier night had published them (no model call, the same N every night; with
+    --republished skip, an empty digest while the rest of the file waited forever)."""
+    first_day, second_day, third_day = DAY, DAY + timedelta(days=1), DAY + timedelta(days=2)
+    more = [*TITLES, "Sparse Mixtures of Experts", "Retrieval for Long Documents"]
+    with FaultServer() as stub:
+        old = write_papers(tmp_path / "old.jsonl", TITLES[:3])
+        run_digest(options(tmp_path, db_url, stub.base_url, source=str(old)))
+        source = str(write_papers(tmp_path / "all.jsonl", more))
+        night = options(tmp_path, db_url, stub.base_url, source=source, max_papers=2)
+        second = run_digest(replace(night, digest_date=second_day))
+        assert (second.calls, second.papers_done) == (4, 5)  # 3 published (marked) + 2 new
+        assert run_digest(replace(night, digest_date=second_day)).calls == 0  # a rerun: same
+        third = run_digest(replace(night, digest_date=third_day, republished="skip"))
+        assert (third.calls, third.papers_done) == (2, 1)  # the last new one
+    store = DigestStore(open_database(db_url))
+    listed = {day: [p.arxiv_id for _, p in store.items(day)] for day in (second_day, third_day)}
+    assert listed[second_day] == [f"2603.{n:05d}" for n in range(1, 6)]
+    assert listed[third_day] == ["2603.00006"]
+    digest = store.load_digest(second_day)
+    assert [e.also_in for e in digest.entries[:3]] == [first_day] * 3
