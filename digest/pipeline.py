@@ -269,13 +269,18 @@ def _check_redo(store: DigestStore, options: RunOptions) -> None:
             raise RedoError(f"--redo {paper_id}: the digest of {day} does not list that paper")
 
 
+class NoDigest(LookupError):
+    """The store has no digest for the date asked (or none at all): a date to correct, or a
+    run to make first; nothing failed."""
+
+
 def render_date(
     store: DigestStore, digest_date: date, out_dir: Path, site_url: str | None = None
 ) -> list[Path]:
     """Write the date's pages and refresh the feed and index; no model calls."""
     digest = store.load_digest(digest_date)
     if digest is None:
-        raise LookupError(f"the store has no digest for {digest_date.isoformat()}")
+        raise NoDigest(f"the store has no digest for {digest_date.isoformat()}")
     recent = [d for day in store.digest_dates(RECENT_DIGESTS) if (d := store.load_digest(day))]
     return write_outputs(out_dir, digest, recent, site_url=site_url)
 
@@ -284,7 +289,7 @@ def render_all(store: DigestStore, out_dir: Path, site_url: str | None = None) -
     """Write every stored date's pages, then the feed and index: a lost output folder back."""
     days = store.digest_dates(limit=None)
     if not days:
-        raise LookupError("the store holds no digest yet; run `nightshift digest run` first")
+        raise NoDigest("the store holds no digest yet; run `nightshift digest run` first")
     written, recent = [], []
     for day in days:  # newest first
         digest = store.load_digest(day)

@@ -623,7 +623,7 @@ def _guarded(action: Callable[[], T]) -> T:
 
     from digest.batch_client import BatchAPIError
     from digest.endpoint import EndpointError
-    from digest.pipeline import RedoError
+    from digest.pipeline import NoDigest, RedoError
     from digest.sources.polite_http import SourceError, SourceUnreachable
     from digest.store.database import StoreError, first_line
     from digest.store.job_lock import LockHeld
@@ -641,9 +641,9 @@ def _guarded(action: Callable[[], T]) -> T:
         ) from None
     except BadInputFile as exc:  # a source file (a SourceError too) that cannot be used
         raise _fail(str(exc), EXIT_USAGE) from None
-    except (SourceError, LockHeld, ServerStartError, LookupError, BatchAPIError) as exc:
+    except (SourceError, LockHeld, ServerStartError, BatchAPIError) as exc:
         raise _fail(str(exc), EXIT_FAILED) from None
-    except (EndpointError, StoreError, RedoError, ModelLoadError) as exc:
+    except (EndpointError, StoreError, RedoError, ModelLoadError, NoDigest) as exc:
         raise _fail(str(exc), EXIT_USAGE) from None
     except DBAPIError as exc:  # the database went away mid-run: often transient, so exit 1
         raise _fail(f"database error: {first_line(exc.orig or exc)}", EXIT_FAILED) from None
@@ -660,13 +660,13 @@ def digest_render(
     site_url: SiteUrlOpt = None,
 ) -> None:
     """Write a date's pages (and refresh feed and index) from the database; no model calls."""
-    from digest.pipeline import render_all, render_date
+    from digest.pipeline import NoDigest, render_all, render_date
     from digest.store import migrate
     from digest.store.digest_store import DigestStore
 
     if all_dates and date_:
         raise _fail("--all and --date exclude each other", EXIT_USAGE)
-    engine = _database(db)
+    engine = _database(db, create=False)  # it renders what a run stored: no new empty database
     _ready_out_dir(_out_dir(out))
 
     def render() -> list[Path]:
@@ -676,7 +676,7 @@ def digest_render(
             return render_all(store, _out_dir(out), site_url)
         day = _digest_date(date_, "render") if date_ else (store.digest_dates(1) or [None])[0]
         if day is None:
-            raise LookupError("the store holds no digest yet; run `nightshift digest run` first")
+            raise NoDigest("the store holds no digest yet; run `nightshift digest run` first")
         return render_date(store, day, _out_dir(out), site_url)
 
     for path in _guarded(render):
@@ -698,6 +698,7 @@ def digest_deliver(
     """Send a stored digest (default: the newest) by email and/or webhook: a retry after a
     failed delivery. Targets that already received it as it is now are skipped."""
     from digest.delivery import deliver
+    from digest.pipeline import NoDigest
     from digest.store import migrate
     from digest.store.digest_store import DigestStore
     from digest.store.job_lock import JobLock
@@ -714,7 +715,7 @@ def digest_deliver(
         digest = store.load_digest(day) if day else None
         if digest is None:
             what = f"no digest for {day.isoformat()}" if day else "no digest yet"
-            raise LookupError(f"the store holds {what}; run `nightshift digest run` first")
+            raise NoDigest(f"the store holds {what}; run `nightshift digest run` first")
         # Under the job lock, as a run's delivery and a scheduler's retry: never two sends at once.
         with JobLock(engine):
             return deliver(store, digest, config, again=again)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 from typer.testing import CliRunner
 
@@ -145,11 +146,24 @@ def _file(tmp_path, name: str, text: str) -> str:
     return str(tmp_path / name)
 
 
-def test_render_of_an_empty_store_says_so(tmp_path, sqlite_url):
-    result = runner.invoke(
-        app, ["digest", "render", "--db", sqlite_url, "--out", str(tmp_path / "out")]
-    )
-    assert result.exit_code == 1 and "no digest yet" in result.output
+def test_render_and_deliver_without_a_digest_are_a_usage_error(tmp_path, sqlite_url):
+    """Found from outside: `render --db` with a missing SQLite file created an empty database
+    and the --out folder; a --date without a digest exited 1 ("failed, retry" to systemd)."""
+    out = ["--out", str(tmp_path / "out")]
+    missing = runner.invoke(app, ["digest", "render", "--db", sqlite_url, *out])
+    assert missing.exit_code == 2 and "no database file at" in missing.output
+    assert not (tmp_path / "digest.db").exists() and not (tmp_path / "out").exists()
+    assert runner.invoke(app, ["db", "upgrade", "head", "--db", sqlite_url]).exit_code == 0
+    result = runner.invoke(app, ["digest", "render", "--db", sqlite_url, *out])
+    assert result.exit_code == 2 and "no digest yet" in result.output
+    with FaultServer() as stub:
+        assert runner.invoke(app, _run_args(tmp_path, sqlite_url, stub.base_url)).exit_code == 0
+    other = (DAY + timedelta(days=1)).isoformat()
+    hook = ["--webhook-url", "http://127.0.0.1:9/hook"]
+    for command in (["render", *out], ["deliver", *hook]):
+        result = runner.invoke(app, ["digest", *command, "--db", sqlite_url, "--date", other])
+        assert result.exit_code == 2, result.output
+        assert f"no digest for {other}" in result.output
 
 
 def test_db_commands(sqlite_url):
