@@ -54,7 +54,9 @@ class RunReport:
 
     def lines(self) -> list[str]:
         out = [
-            f"digest {self.digest_date.isoformat()} (run {self.run_id}): {self.status}",
+            f"digest {self.digest_date.isoformat()} (run {self.run_id}): {self.status}"
+            # The run's status is the papers'; a failed delivery makes the exit 1 all the same.
+            + ("; delivery failed" if self.delivery_failed else ""),
             f"  papers: {self.papers_total} listed, {self.papers_done} done, "
             f"{self.papers_failed} failed"
             + (f", {self.papers_below_cut} below --max-papers" if self.papers_below_cut else ""),

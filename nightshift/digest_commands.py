@@ -48,6 +48,17 @@ DateOpt = Annotated[
         "other digest lists (a backfill).",
     ),
 ]
+StoredDateOpt = Annotated[
+    str | None,
+    typer.Option("--date", help="A stored digest's date, YYYY-MM-DD. Default: the newest."),
+]
+LinkUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="NIGHTSHIFT_SITE_URL",
+        help="Public URL of the published pages: the message links to the digest's page.",
+    ),
+]
 CategoriesOpt = Annotated[
     str | None,
     typer.Option(
@@ -322,6 +333,8 @@ def _pricing(
     """How the run report prices the night; a bad price or GPU name: one line, exit 2."""
     from digest.run_cost import Pricing
 
+    if gpu is None and gpus != 1:  # the default is 1: a count given without a GPU to count
+        raise _fail("--gpus needs --gpu", EXIT_USAGE)
     if price_per_mtok is None and gpu is None:
         if gpu_price is not None:
             raise _fail("--gpu-price needs --gpu", EXIT_USAGE)
@@ -651,7 +664,7 @@ def _guarded(action: Callable[[], T]) -> T:
 
 @digest_app.command("render")
 def digest_render(
-    date_: DateOpt = None,
+    date_: StoredDateOpt = None,
     all_dates: Annotated[
         bool, typer.Option("--all", help="Every stored date (e.g. after losing --out).")
     ] = False,
@@ -685,7 +698,7 @@ def digest_render(
 
 @digest_app.command("deliver")
 def digest_deliver(
-    date_: DateOpt = None,
+    date_: StoredDateOpt = None,
     email_to: EmailToOpt = None,
     webhook_url: WebhookOpt = None,
     again: Annotated[
@@ -693,7 +706,7 @@ def digest_deliver(
         typer.Option(help="Send also to targets that already received this version."),
     ] = False,
     db: DbOpt = None,
-    site_url: SiteUrlOpt = None,
+    site_url: LinkUrlOpt = None,
 ) -> None:
     """Send a stored digest (default: the newest) by email and/or webhook: a retry after a
     failed delivery. Targets that already received it as it is now are skipped."""

@@ -49,6 +49,8 @@ def test_the_table_sets_when_a_target_is_due_and_bounds_the_attempts(tmp_path, d
         hook.status = 500
         night = run_digest(options(tmp_path, db_url, stub.base_url, delivery=config))
         assert night.delivery_failed and len(stub.requests) == 8
+        # The report's first line says so, not just "succeeded" (found from outside).
+        assert night.lines()[0].endswith(": succeeded; delivery failed")
         store = DigestStore(open_database(db_url))
         digest = store.load_digest(DAY)
         (night_state,) = target_states(store, digest, config)

@@ -67,6 +67,8 @@ def test_digest_run_reports_cost_prompt_version_and_unverified(tmp_path, sqlite_
         (["--price-per-mtok", "0.15"], "--price-per-mtok must be IN,OUT"),
         (["--gpu", "no-such-gpu"], "no-such-gpu"),
         (["--gpu-price", "2.0"], "--gpu-price needs --gpu"),
+        (["--gpus", "2"], "--gpus needs --gpu"),  # was accepted and ignored
+        (["--price-per-mtok", "0.15,0.6", "--gpus", "2"], "--gpus needs --gpu"),
         (["--gpu", "H100", "--gpus", "0"], "--gpus must be between 1 and 1024"),
     ],
 )
