@@ -51,7 +51,20 @@ def _is_checkable(token: str, *, first: bool) -> bool:
 def unsupported(summary: str, source: str) -> list[str]:
     """The numbers and names of `summary` that `source` does not contain."""
     haystack = _normalize(source)
-    return [t for t in checkable_tokens(summary) if not _found(t, haystack)]
+    return [
+        t for t in checkable_tokens(summary) if not _found(t, haystack) and not _parts(t, haystack)
+    ]
+
+
+def _parts(token: str, haystack: str) -> bool:
+    """A hyphenated word without digits whose names are each in the source: "AI-powered" (a
+    common name and a plain word), "BERT-style" where the paper says BERT. With digits the
+    token must be found whole: "GPT-4" is not "GPT" and a "4" somewhere."""
+    pieces = token.split("-")
+    if len(pieces) < 2 or any(c.isdigit() for c in token):
+        return False
+    names = [p for p in pieces if _is_checkable(p, first=False)]
+    return all(_found(name, haystack) for name in names)
 
 
 def paper_source(paper: Paper, text: str | None = None, prompt_version: str | None = None) -> str:

@@ -61,6 +61,10 @@ def test_faithfulness_finds_numbers_and_names_the_source_lacks():
     # A sentence's first word is not a name; a number must stand alone ("12" is not in "2012").
     assert checkable_tokens("Results improve. It gains 12 points.") == ["12"]
     assert unsupported("It gains 12 points.", "in 2012") == ["12"]
+    # A hyphenated word is its names: "AI-powered" names nothing the paper must have, and
+    # "BERT-style" needs only BERT (seen on real papers); with digits, the whole token.
+    said = "It is an AI-powered, BERT-style and Llama-based model. GPT-4 wins."
+    assert unsupported(said, "We use BERT and GPT-3 on 4 tasks.") == ["Llama-based", "GPT-4"]
 
 
 def _entry(n: int, summary: str, review: Review | None = None) -> DigestEntry:
