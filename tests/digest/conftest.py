@@ -50,3 +50,19 @@ def db_url(request, tmp_path):
 @pytest.fixture
 def sqlite_url(tmp_path):
     return f"sqlite:///{tmp_path / 'digest.db'}"
+
+
+@pytest.fixture
+def stored(tmp_path, sqlite_url):
+    """A digest of four reviewed papers in a SQLite store, not sent anywhere yet: (store,
+    digest), for the delivery tests."""
+    from digest.pipeline import run_digest
+    from digest.store.database import open_database
+    from digest.store.digest_store import DigestStore
+    from tests.digest.fault_server import FaultServer
+    from tests.digest.test_pipeline import DAY, options
+
+    with FaultServer() as stub:
+        run_digest(options(tmp_path, sqlite_url, stub.base_url))
+    store = DigestStore(open_database(sqlite_url))
+    return store, store.load_digest(DAY)

@@ -98,14 +98,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _server(tmp_path, env: dict[str, str], context_option: str, **options):
+def _server(
+    tmp_path, env: dict[str, str], context_option: str, mailbox: Mailbox | None = None, **options
+):
     """An AUTH-required SMTP server on 127.0.0.1 with a fresh certificate, given to aiosmtpd's
     Controller as `context_option` (tls_context: STARTTLS; ssl_context: TLS from the first
     byte), and further Controller `options`; yields (mailbox, env), the client's settings."""
     cert, key = _certificate(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
-    mailbox = Mailbox()
+    mailbox = mailbox or Mailbox()
     port = _free_port()
     controller = Controller(
         mailbox,
@@ -233,7 +235,7 @@ def test_a_failed_delivery_keeps_the_digest_and_digest_deliver_sends_it(
     forced = runner.invoke(app, [*deliver, "--again"])
     assert forced.exit_code == 0 and len(mailbox.messages) == 2
     unknown = runner.invoke(app, [*deliver[:3], "2020-01-01", *deliver[4:]])
-    assert unknown.exit_code == 1 and "no digest for 2020-01-01" in unknown.output
+    assert unknown.exit_code == 2 and "no digest for 2020-01-01" in unknown.output  # a bad --date
 
 
 def test_a_server_without_starttls_is_refused_before_the_password(tmp_path, sqlite_url,

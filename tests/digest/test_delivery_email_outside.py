@@ -5,28 +5,15 @@ reach a reader twice, and a bad address is one line and exit 2, never a tracebac
 
 from __future__ import annotations
 
-import ssl
 from email import message_from_bytes, policy
 
 import pytest
-from aiosmtpd.controller import Controller
 from typer.testing import CliRunner
 
 from digest.delivery import deliver, delivery_config
-from digest.pipeline import run_digest
-from digest.store.database import open_database
-from digest.store.digest_store import DigestStore
 from nightshift.cli import app
-from tests.digest.fault_server import FaultServer
-from tests.digest.test_delivery_email import (
-    PASSWORD,
-    READY_S,
-    USER,
-    Mailbox,
-    _certificate,
-    _free_port,
-)
-from tests.digest.test_pipeline import DAY, options, write_papers
+from tests.digest.test_delivery_email import Mailbox, _server
+from tests.digest.test_pipeline import DAY, write_papers
 
 
 class PickyMailbox(Mailbox):
@@ -42,46 +29,16 @@ class PickyMailbox(Mailbox):
 
 @pytest.fixture
 def picky_server(tmp_path, monkeypatch):
-    cert, key = _certificate(tmp_path)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert, key)
-    mailbox = PickyMailbox()
-    port = _free_port()
-    controller = Controller(
-        mailbox,
-        hostname="127.0.0.1",
-        port=port,
-        auth_required=True,
-        authenticator=mailbox.authenticate,
-        ready_timeout=READY_S,
-        tls_context=context,
-        require_starttls=True,
-    )
-    controller.start()
-    env = {
-        "NIGHTSHIFT_SMTP_HOST": "127.0.0.1",
-        "NIGHTSHIFT_SMTP_PORT": str(port),
-        "NIGHTSHIFT_SMTP_USER": USER,
-        "NIGHTSHIFT_SMTP_PASSWORD": PASSWORD,
-        "NIGHTSHIFT_SMTP_CA_FILE": str(cert),
-    }
+    """A STARTTLS, AUTH-required server that refuses "nobody..." (test_delivery_email's), its
+    settings in the environment; yields the mailbox."""
+    server = _server(tmp_path, {}, "tls_context", PickyMailbox(), require_starttls=True)
+    mailbox, env = next(server)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("NIGHTSHIFT_SMTP_FROM", raising=False)
     monkeypatch.delenv("NIGHTSHIFT_SMTP_TLS", raising=False)
-    try:
-        yield mailbox
-    finally:
-        controller.stop()
-
-
-@pytest.fixture
-def stored(tmp_path, sqlite_url):
-    """A digest of four reviewed papers in the store, not sent anywhere yet."""
-    with FaultServer() as stub:
-        run_digest(options(tmp_path, sqlite_url, stub.base_url))
-    store = DigestStore(open_database(sqlite_url))
-    return store, store.load_digest(DAY)
+    yield mailbox
+    server.close()  # stops the controller (the generator's finally)
 
 
 def test_a_partly_refused_list_is_not_mailed_twice(picky_server, stored, sqlite_url):

@@ -11,12 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from digest.delivery import deliver, delivery_config
-from digest.pipeline import run_digest
-from digest.store.database import open_database
-from digest.store.digest_store import DigestStore
 from nightshift.cli import app
-from tests.digest.fault_server import FaultServer
-from tests.digest.test_pipeline import DAY, options
+from tests.digest.test_pipeline import DAY
 
 SECRET = "/services/T000/B000/very-secret-token"
 
@@ -51,14 +47,6 @@ def hook():
     yield server
     server.shutdown()
     server.server_close()
-
-
-@pytest.fixture
-def stored(tmp_path, sqlite_url):
-    with FaultServer() as stub:
-        run_digest(options(tmp_path, sqlite_url, stub.base_url))
-    store = DigestStore(open_database(sqlite_url))
-    return store, store.load_digest(DAY)
 
 
 def test_an_error_page_quoting_the_secret_path_is_not_logged_or_stored(hook, stored, caplog):
