@@ -218,16 +218,7 @@ def test_a_sentence_reciting_the_instructions_is_dropped_and_counted(tmp_path):
     papers = write_papers(tmp_path / "papers.jsonl")
     reciting = Fault("text", text=summary, match="In three or four plain sentences", times=-1)
     with FaultServer(faults=[reciting]) as stub:
-        figures = run_quality_bench(
-            QualityBenchConfig(
-                papers=str(papers),
-                num_papers=2,
-                endpoint=stub.base_url,
-                model="stub-model",
-                work_dir=str(tmp_path / "a"),
-            ),
-            echo=lambda _: None,
-        )["figures"]
+        figures = _bench_two(papers, stub, tmp_path / "a")["figures"]
     assert figures["summaries"] == 2 and figures["summaries_reciting_instructions"] == 0
     store = DigestStore(open_database(f"sqlite:///{tmp_path / 'a' / 'quality.db'}"))
     digest = store.load_digest(date(2026, 3, 31))
@@ -245,20 +236,23 @@ def test_a_sentence_reciting_the_instructions_is_dropped_and_counted(tmp_path):
     assert figures["examples"]["recital"] == ["2603.00001: in three or four"]
 
 
+def _bench_two(papers, stub: FaultServer, work_dir) -> dict:
+    """bench digest-quality over the first two papers of `papers` against the stub."""
+    cfg = QualityBenchConfig(
+        papers=str(papers),
+        num_papers=2,
+        endpoint=stub.base_url,
+        model="stub-model",
+        work_dir=str(work_dir),
+    )
+    return run_quality_bench(cfg, echo=lambda _: None)
+
+
 def test_measure_only_counts_a_store_as_it_was_written(tmp_path):
     papers = write_papers(tmp_path / "papers.jsonl")
     junk = json.dumps(review_for(TITLES[0]) | {"strengths": ["1.00", "4.], ,"]})
     with FaultServer(faults=[Fault("text", text=junk, match=TITLES[0], times=2)]) as stub:
-        run_quality_bench(
-            QualityBenchConfig(
-                papers=str(papers),
-                num_papers=2,
-                endpoint=stub.base_url,
-                model="stub-model",
-                work_dir=str(tmp_path / "a"),
-            ),
-            echo=lambda _: None,
-        )
+        _bench_two(papers, stub, tmp_path / "a")
     # A review stored before issue 19 kept its junk; today's validation would drop it, the
     # measurement must not.
     store = DigestStore(open_database(f"sqlite:///{tmp_path / 'a' / 'quality.db'}"))
@@ -336,16 +330,7 @@ def test_a_reviewer_summary_copying_the_title_is_not_published(tmp_path):
         return reply if said == json.dumps(review_for(TITLES[2])) else said
 
     with FaultServer(responder=responder) as stub:
-        figures = run_quality_bench(
-            QualityBenchConfig(
-                papers=str(papers),
-                num_papers=2,
-                endpoint=stub.base_url,
-                model="stub-model",
-                work_dir=str(tmp_path / "a"),
-            ),
-            echo=lambda _: None,
-        )["figures"]
+        figures = _bench_two(papers, stub, tmp_path / "a")["figures"]
     assert figures["reviews"] == 2 and figures["review_summaries_title_or_none"] == 1
     assert figures["list_items_junk"] == 0  # "strengths ia" was dropped before storing
     store = DigestStore(open_database(f"sqlite:///{tmp_path / 'a' / 'quality.db'}"))
