@@ -15,6 +15,7 @@ import pickle
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -304,12 +305,24 @@ class RankMismatchError(RendezvousError):
     that a restart does not mend."""
 
 
+# The tensors of the last few control broadcasts, kept alive from Python. gloo's worker thread
+# lets go of a finished broadcast a moment after wait() returns; were the Python tensor already
+# gone, that release would hand the tensor's Python object back and take the GIL for it. After
+# the last broadcast (the shutdown) the process exits at once, and a thread taking the GIL while
+# the interpreter finalizes is ended by pthread_exit through a noexcept frame: std::terminate,
+# exit -6 (seen in 2 of 10 clean env:// runs on a 2-core VM; core dump: ~AsyncBroadcastWork ->
+# decref_pyobject -> take_gil -> PyThread_exit_thread).
+_SENT: deque[torch.Tensor] = deque(maxlen=4)
+
+
 def send_object(control: dist.ProcessGroup, obj: object) -> None:
     """Rank 0: obj to every other rank (pickled, so ranks must trust each other: they are one
     engine; tensors in it should be on the CPU)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    control.broadcast([torch.tensor([data.numel()], dtype=torch.int64)]).wait()
+    length = torch.tensor([data.numel()], dtype=torch.int64)
+    control.broadcast([length]).wait()
     control.broadcast([data]).wait()
+    _SENT.extend((length, data))
 
 
 def receive_object(control: dist.ProcessGroup) -> object:
@@ -318,6 +331,7 @@ def receive_object(control: dist.ProcessGroup) -> object:
     control.broadcast([length]).wait()
     data = torch.empty(int(length.item()), dtype=torch.uint8)
     control.broadcast([data]).wait()
+    _SENT.extend((length, data))
     return pickle.loads(data.numpy().tobytes())
 
 

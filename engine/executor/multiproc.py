@@ -248,6 +248,12 @@ class MultiprocExecutor:
             # Only a broken group is aborted: aborting a healthy one left gloo's threads to be
             # torn down at exit, which once ended a clean run with std::terminate (exit -6).
             self._abort_groups()
+        else:
+            # A healthy control group ends here, while the interpreter runs: its destructor
+            # joins gloo's threads, which then let go of the shutdown broadcast (its tensors
+            # are still held, rendezvous._SENT). Left to the interpreter's exit, a thread that
+            # let go of it late took the GIL while finalizing: std::terminate, exit -6.
+            self._control = None
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
         atexit.unregister(self._stop_at_exit)
