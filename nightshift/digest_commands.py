@@ -73,6 +73,7 @@ MaxPapersOpt = Annotated[
         "for the next run)."
     ),
 ]
+DEFAULT_OVERLAP_DAYS = 3.0
 OverlapOpt = Annotated[
     float,
     typer.Option(
@@ -256,7 +257,7 @@ def _run_options(
     republished: str = "mark",
     via: str = "stream",
     threads: int | None = None,
-    overlap_days: float = 3.0,
+    overlap_days: float = DEFAULT_OVERLAP_DAYS,
     selection: str = "day",
     profile: Path | None = None,
     embeddings_endpoint: str | None = None,
@@ -293,6 +294,11 @@ def _run_options(
         raise _fail("--categories names no category", EXIT_USAGE)
     _check_categories(cats or [])
     _check_source(source)
+    # Options another source reads: said, not silently ignored (found from outside).
+    if include_cross and source != "rss":
+        log.warning("--include-cross applies to --source rss only; ignored here")
+    if overlap_days != DEFAULT_OVERLAP_DAYS and source != "arxiv":
+        log.warning("--overlap-days applies to --source arxiv only; ignored here")
     _check_endpoint(endpoint, model, api_key_env, local_model)
     return RunOptions(
         digest_date=day,
@@ -583,7 +589,7 @@ def digest_run(
     republished: RepublishedOpt = "mark",
     via: ViaOpt = "stream",
     threads: ThreadsOpt = None,
-    overlap_days: OverlapOpt = 3.0,
+    overlap_days: OverlapOpt = DEFAULT_OVERLAP_DAYS,
     profile: ProfileOpt = None,
     embeddings_endpoint: EmbeddingsOpt = None,
     embeddings_model: EmbeddingsModelOpt = None,
@@ -784,7 +790,7 @@ def digest_schedule(
     republished: RepublishedOpt = "mark",
     via: ViaOpt = "stream",
     threads: ThreadsOpt = None,
-    overlap_days: OverlapOpt = 3.0,
+    overlap_days: OverlapOpt = DEFAULT_OVERLAP_DAYS,
     profile: ProfileOpt = None,
     embeddings_endpoint: EmbeddingsOpt = None,
     embeddings_model: EmbeddingsModelOpt = None,

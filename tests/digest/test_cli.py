@@ -257,3 +257,17 @@ def test_categories_are_checked_before_anything_runs(tmp_path, sqlite_url, caplo
     assert result.exit_code == 0, result.output
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == ["--categories: cs.XX is not in arXiv's taxonomy; no paper will match it"]
+
+
+def test_options_another_source_reads_are_said_to_be_ignored(tmp_path, sqlite_url, caplog):
+    """Found from outside: --include-cross and --overlap-days with a file source were accepted
+    and ignored without a word."""
+    with caplog.at_level("WARNING"), FaultServer() as stub:
+        args = _run_args(tmp_path, sqlite_url, stub.base_url)
+        result = runner.invoke(app, [*args, "--include-cross", "--overlap-days", "5"])
+    assert result.exit_code == 0, result.output
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [
+        "--include-cross applies to --source rss only; ignored here",
+        "--overlap-days applies to --source arxiv only; ignored here",
+    ]
