@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import date
 
 from digest.chat_client import ChatCallError, ChatResult
+from digest.faithfulness import paper_source
 from digest.instruction_echo import drop_recitals
 from digest.paper import Paper
 from digest.prompts import PROMPT_VERSION, SUMMARY_INSTRUCTIONS
@@ -82,7 +83,7 @@ def store_summary(
     reply asked again) in the same transaction; an empty one is a failed call (ChatCallError)."""
     cut_off = result.finish_reason == "length"
     text = tidy_summary(result.text, cut_off=cut_off, title=item.paper.title)
-    text = drop_recitals(text, SUMMARY_INSTRUCTIONS, f"{item.paper.title}\n{item.text}")
+    text = drop_recitals(text, SUMMARY_INSTRUCTIONS, paper_source(item.paper, item.text))
     if not text:
         for record in (*earlier, call):
             store.record_call(record)

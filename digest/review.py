@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from digest.clean_text import xml_safe
 from digest.repetition import loops
-from digest.summary_text import finish_text
+from digest.summary_text import finish_text, letters
 
 InputBasis = Literal["abstract", "fulltext"]
 ParseStatus = Literal["ok", "repaired", "failed"]
@@ -35,7 +35,6 @@ _LIST_FIELDS = ("strengths", "weaknesses", "questions", "limitations")
 # "weaknesses are", "questions of the dataset", "strengths is a list of 1 to 4 items" (on the
 # default model, 41 of 191 items over 50 real papers, prompt 2026-12-05.5).
 _LIST_NAME_FIRST = re.compile(r"^(?:strengths?|weakness(?:es)?|questions?|limitations?)\b", re.I)
-_WORDS = re.compile(r"[^\W_]+")
 
 
 def decision_for(overall: int) -> Literal["Accept", "Reject"]:
@@ -62,16 +61,12 @@ def repeats_title(summary: str, title: str) -> bool:
     Sketch Comedy…"), without its first word ("A Parallel Corpus ..." for "ViDia2Std: A
     Parallel Corpus ..."), or with a word or two added. The prompt opens with the title line
     and a small model copies it. Compared as letters and digits only."""
-    said, titled = _letters(summary), _letters(title)
+    said, titled = letters(summary), letters(title)
     if len(said) < 10 or not titled:
         return False
     if said in titled:
         return len(said) >= len(titled) / 2
     return titled in said and len(said) <= len(titled) + 16
-
-
-def _letters(text: str) -> str:
-    return "".join(_WORDS.findall(text.lower()))
 
 
 class Review(BaseModel):

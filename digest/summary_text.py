@@ -21,6 +21,7 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[\"'(\[A-Z0-9$])")
 _LIST_MARKER = re.compile(r"^\s*(?:[-*•]|\d+[.)])\s+", re.MULTILINE)
 _FINISHED = (".", "!", "?")
 _WORD = re.compile(r"[a-z0-9]+")
+_LETTERS = re.compile(r"[^\W_]+")
 # Words too short to end on: "...as well as the…" reads as cut off anyway, but shorter.
 _TRAILING_FILLER = re.compile(r"(?:[\s,;:(\-–—]+|\s+(?:a|an|the|of|and|or|to|in|for|with))+$")
 
@@ -29,7 +30,7 @@ def tidy_summary(text: str, cut_off: bool, title: str = "") -> str:
     """`cut_off`: the reply ended at max_tokens, so its last sentence may be unfinished.
     `title`: the paper's, dropped where the reply opens with it."""
     prose = without_title(" ".join(_LIST_MARKER.sub("", text).split()), title)
-    sentences = _unique([s for s in _SENTENCE_END.split(prose) if s])
+    sentences = _unique(split_sentences(prose))
     if cut_off and sentences and not sentences[-1].endswith(_FINISHED):
         if len(sentences) > 1:
             sentences = sentences[:-1]
@@ -44,7 +45,7 @@ def finish_text(text: str) -> str:
     text = " ".join(text.split())
     if not text or text.endswith((*_FINISHED, ELLIPSIS)):
         return text
-    sentences = [s for s in _SENTENCE_END.split(text) if s]
+    sentences = split_sentences(text)
     if len(sentences) > 1:
         return " ".join(sentences[:-1])
     return end_at_word(text)
@@ -62,12 +63,12 @@ def without_title(text: str, title: str) -> str:
     a small model copies it, often with no full stop ("LuxBorrow: From Pompier to Pompjee,
     Tracing Borrowing in Luxembourgish LuxBorrow is a ..."), sometimes with words run together
     ("via PivotWords" for "via Pivot Words"): compared letters and digits only."""
-    target = _letters(title)
+    target = letters(title)
     if not target:
         return text
     seen = ""
     for match in re.finditer(r"\S+", text):
-        seen += _letters(match.group())
+        seen += letters(match.group())
         if seen == target:
             rest = text[match.end() :].lstrip(" .:;,-–—")
             return rest if rest else text
@@ -76,8 +77,14 @@ def without_title(text: str, title: str) -> str:
     return text
 
 
-def _letters(text: str) -> str:
-    return "".join(_WORD.findall(text.lower()))
+def letters(text: str) -> str:
+    """Its letters and digits only, lower-cased: "Comic: Agentic…" is "comicagentic"; how a
+    copied title is recognised whatever the model did to its spaces and punctuation."""
+    return "".join(_LETTERS.findall(text.lower()))
+
+
+def split_sentences(text: str) -> list[str]:
+    return [s for s in _SENTENCE_END.split(text) if s]
 
 
 def _unique(sentences: list[str]) -> list[str]:
