@@ -466,9 +466,7 @@ def _add_items(store: DigestStore, options: RunOptions, papers: list[Paper]) -> 
     published = store.published_before(options.digest_date, list(ids))
     room = None
     if options.max_papers is not None:
-        taken = [i.paper_id for i, _ in store.items(options.digest_date) if i.status != "below_cut"]
-        counted = len(taken) - len(store.published_before(options.digest_date, taken))
-        room = max(0, options.max_papers - counted)
+        room = _room(store, options.digest_date, options.max_papers)
     fresh = [r for r in ranked if r.paper.arxiv_id not in published]
     below = {r.paper.arxiv_id for r in fresh[room:]} if room is not None else set()
     mine = sum(1 for r in ranked if r.for_you)
@@ -493,8 +491,8 @@ def _first_unpublished(
     kept where it stands (marked on the page) and not counted, so that a file read night after
     night moves on instead of taking its first N again. A rerun counts what the date lists."""
     listed = {paper.arxiv_id for _, paper in store.items(day)}
-    published = store.published_before(day, [*listed, *(p.arxiv_id for p in papers)])
-    room = max_papers - sum(1 for pid in listed if pid not in published)
+    published = store.published_before(day, [p.arxiv_id for p in papers])
+    room = _room(store, day, max_papers)
     kept = []
     for paper in papers:
         if paper.arxiv_id in listed:
@@ -502,10 +500,17 @@ def _first_unpublished(
         elif room > 0:
             kept.append(paper)
             room -= paper.arxiv_id not in published
-    taken = {paper.arxiv_id for paper in kept}
-    if waiting := sum(1 for p in papers if p.arxiv_id not in taken | published.keys()):
+    passed_over = {p.arxiv_id for p in kept} | published.keys()
+    if waiting := sum(1 for p in papers if p.arxiv_id not in passed_over):
         log.info("%s wait for the next run (--max-papers %d)", papers_count(waiting), max_papers)
     return kept
+
+
+def _room(store: DigestStore, day: date, max_papers: int) -> int:
+    """What is left of --max-papers on the date: N less the papers it lists to be summarised,
+    not counting those an earlier digest published (they cost no model call)."""
+    taken = [item.paper_id for item, _ in store.items(day) if item.status != "below_cut"]
+    return max(0, max_papers - len(taken) + len(store.published_before(day, taken)))
 
 
 def _skip_republished(store: DigestStore, day: date, papers: list[Paper]) -> list[Paper]:
